@@ -1,0 +1,181 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) with paged attention.
+
+Attention reads and writes K/V only through slot indices of a `KVPool`; no per-sequence
+contiguous cache exists. One forward can mix sequences that are prefilling a chunk and
+sequences that are decoding one token:
+- decoding sequences are attended together, padded to the longest context, with the query
+  heads grouped by KV head so grouped-query attention needs no K/V repetition;
+- each prefilling chunk is attended on its own, causally, over its whole context.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.checkpoint import Checkpoint
+from common.kv_pool import KVPool
+from common.model_config import ModelConfig
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's share of a forward: `num_new` query tokens at the end of a context of
+    `context_len` tokens whose K/V live at `context_slots` (new tokens included)."""
+
+    num_new: int
+    context_slots: torch.Tensor  # [context_len] long
+
+    @property
+    def context_len(self) -> int:
+        return self.context_slots.numel()
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] long: the new tokens of every sequence, concatenated
+    positions: torch.Tensor  # [T] long
+    slices: list[SequenceSlice]
+    logit_rows: torch.Tensor  # [R] long: rows of T whose next-token logits are wanted
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        return torch.cat([s.context_slots[s.context_len - s.num_new :] for s in self.slices])
+
+
+class _AttentionPlan:
+    """Index tensors shared by every layer of one forward."""
+
+    def __init__(self, batch: ForwardBatch, device: torch.device) -> None:
+        self.write_slots = batch.write_slots.to(device)
+        offsets, start = [], 0
+        for s in batch.slices:
+            offsets.append(start)
+            start += s.num_new
+        decode = [(o, s) for o, s in zip(offsets, batch.slices) if s.num_new == 1]
+        self.prefill = [(o, s.num_new, s.context_slots.to(device), _causal_mask(s, device))
+                        for o, s in zip(offsets, batch.slices) if s.num_new > 1]
+        self.decode_rows = torch.tensor([o for o, _ in decode], dtype=torch.long, device=device)
+        if decode:
+            longest = max(s.context_len for _, s in decode)
+            slots = torch.zeros(len(decode), longest, dtype=torch.long)
+            mask = torch.zeros(len(decode), longest, dtype=torch.bool)
+            for i, (_, s) in enumerate(decode):
+                slots[i, : s.context_len] = s.context_slots
+                mask[i, : s.context_len] = True
+            self.decode_slots = slots.to(device)
+            self.decode_mask = mask[:, None, None, :].to(device)
+
+
+def _causal_mask(s: SequenceSlice, device: torch.device) -> torch.Tensor | None:
+    """None when the chunk is the whole context (plain causal attention)."""
+    if s.num_new == s.context_len:
+        return None
+    q_pos = torch.arange(s.context_len - s.num_new, s.context_len, device=device)
+    return torch.arange(s.context_len, device=device)[None, :] <= q_pos[:, None]
+
+
+class LlamaModel:
+    """Inference-only weights and forward; parameters are fused (QKV, gate+up) for speed."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        cfg = self.config = ckpt.config
+        self.model_hash = ckpt.model_hash
+        self.dtype, self.device = dtype, torch.device(device)
+        w = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn = [w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
+            self.layers.append({
+                "in_norm": w[f"{p}input_layernorm.weight"],
+                "qkv": torch.cat(attn),
+                "qkv_bias": bias,
+                "o": w[f"{p}self_attn.o_proj.weight"],
+                "post_norm": w[f"{p}post_attention_layernorm.weight"],
+                "gate_up": torch.cat([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]]),
+                "down": w[f"{p}mlp.down_proj.weight"],
+            })
+        angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), cfg.rope_inv_freq())
+        angles = torch.cat([angles, angles], dim=-1)
+        self.rope_cos = angles.cos().to(device=device, dtype=dtype)
+        self.rope_sin = angles.sin().to(device=device, dtype=dtype)
+
+    def new_pool(self, num_pages: int, page_size: int) -> KVPool:
+        cfg = self.config
+        return KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, self.device)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Write the new tokens' K/V into the pool and return `[R, vocab]` fp32 logits.
+
+        `on_layer_done(layer)` runs as soon as a layer's K/V is in the pool, so a transport
+        can ship that layer while later layers compute.
+        """
+        cfg = self.config
+        nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        plan = _AttentionPlan(batch, self.device)
+        positions = batch.positions.to(self.device)
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        x = self.embed[batch.token_ids.to(self.device)]
+        T = x.shape[0]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["in_norm"])
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            q = qkv[:, : nh * hd].view(T, nh, hd)
+            k = qkv[:, nh * hd : (nh + kvh) * hd].view(T, kvh, hd)
+            v = qkv[:, (nh + kvh) * hd :].view(T, kvh, hd)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = pool.keys(i), pool.values(i)
+            keys.index_copy_(0, plan.write_slots, k)
+            values.index_copy_(0, plan.write_slots, v)
+            attn = self._attention(q, keys, values, plan)
+            x = x + F.linear(attn.view(T, nh * hd), layer["o"])
+            h = self._rms_norm(x, layer["post_norm"])
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            if on_layer_done is not None:
+                on_layer_done(i)
+        rows = batch.logit_rows.to(self.device)
+        return F.linear(self._rms_norm(x[rows], self.norm), self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+        nh, kvh, hd = q.shape[1], keys.shape[1], q.shape[2]
+        out = torch.empty_like(q)
+        if plan.decode_rows.numel():
+            b = plan.decode_rows.numel()
+            # Query heads grouped by the KV head they share: [B, kvh, group, hd].
+            qd = q[plan.decode_rows].view(b, kvh, nh // kvh, hd)
+            kd = keys[plan.decode_slots].transpose(1, 2)
+            vd = values[plan.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
+            out[plan.decode_rows] = o.reshape(b, nh, hd)
+        for start, n, slots, mask in plan.prefill:
+            qp = q[start : start + n].transpose(0, 1)[None]
+            kp = keys[slots].transpose(0, 1)[None]
+            vp = values[slots].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            out[start : start + n] = o[0].transpose(0, 1)
+        return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

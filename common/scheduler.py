@@ -1,0 +1,229 @@
+"""Continuous-batching scheduler: the single-node engine loop the decode node runs.
+
+Every step runs one forward that holds one token for each decoding request and, within the
+token budget, prefill chunks of requests still prefilling (oldest first), so a long prompt
+never stalls the running decodes for more than one chunk. Requests join and leave between
+steps. When the pool runs out of pages mid-decode, the newest request is preempted: its
+pages go to the prefix cache and it is recomputed later (usually from those cached pages).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from common.detokenizer import IncrementalDetokenizer
+from common.engine import Engine, Sequence
+from common.page_allocator import OutOfPages
+from common.sampling import Sampler, SamplingParams
+from common.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece of a generation. The last chunk of a request has `finish_reason`
+    set ("stop", "length", "abort" or "error") and carries `usage`."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None  # set with finish_reason "error" (e.g. the pool cannot hold the request)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    params: SamplingParams
+    sampler: Sampler
+    detok: IncrementalDetokenizer
+    prompt_len: int
+    cached_tokens: int
+    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    num_generated: int = 0
+
+
+class RequestHandle:
+    def __init__(self, request_id: str, outputs: queue.SimpleQueue) -> None:
+        self.request_id = request_id
+        self._outputs = outputs
+
+    def next_chunk(self, timeout: float | None = None) -> Chunk | None:
+        """The next chunk, or None if none arrived within `timeout` seconds."""
+        try:
+            return self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512) -> None:
+        if max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_batch_tokens = max_batch_tokens
+        self.lock = engine.lock
+        self._wakeup = threading.Condition(self.lock)
+        self._active: list[_Request] = []  # admission order
+        self._aborts: set[str] = set()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    # ---- public API (any thread) ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort everything still running and stop the loop."""
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify()
+        self._thread.join()
+        with self.lock:
+            for r in self._active:
+                self._finish(r, [], "", "abort")
+            self._active.clear()
+
+    def submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
+        """Queue `seq` (its first `num_computed` positions already in the pool) for generation."""
+        r = _Request(
+            request_id, seq, params, Sampler(params),
+            IncrementalDetokenizer(self.tokenizer, params.stop),
+            prompt_len=len(seq.token_ids), cached_tokens=seq.num_cached,
+        )
+        with self._wakeup:
+            if self._stopped:
+                raise RuntimeError("the scheduler is shutting down")
+            self._active.append(r)
+            self._wakeup.notify()
+        return RequestHandle(request_id, r.outputs)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False if it is not running here."""
+        with self._wakeup:
+            if not any(r.request_id == request_id for r in self._active):
+                return False
+            self._aborts.add(request_id)
+            self._wakeup.notify()
+            return True
+
+    def num_active(self) -> int:
+        with self.lock:
+            return len(self._active)
+
+    # ---- the loop ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._active and not self._stopped:
+                    self._wakeup.wait()
+                if self._stopped:
+                    return
+                self._apply_aborts()
+                work = self._plan_step()
+            if not work:
+                time.sleep(0.001)
+                continue
+            try:
+                logits = self.engine.forward([(r.seq, n) for r, n in work])
+            except Exception as exc:  # a bug or a bad model state must not kill the daemon
+                log.exception("forward failed")
+                with self.lock:
+                    for r, _ in work:
+                        self._fail(r, f"internal error in the model forward: {exc}")
+                continue
+            with self.lock:
+                for (r, _), row in zip(work, logits):
+                    if r.seq.num_pending == 0:
+                        self._emit_token(r, r.sampler.sample(row))
+
+    def _apply_aborts(self) -> None:
+        for r in [r for r in self._active if r.request_id in self._aborts]:
+            self._finish(r, [], "", "abort")
+        self._aborts.clear()
+
+    def _plan_step(self) -> list[tuple[_Request, int]]:
+        """Pick this step's work and reserve its pages (called with the lock held)."""
+        work: list[tuple[_Request, int]] = []
+        budget = self.max_batch_tokens
+        decoding = [r for r in self._active if r.seq.num_pending == 1]
+        prefilling = [r for r in self._active if r.seq.num_pending > 1]
+        for r in decoding:
+            if budget == 0 or r not in self._active:  # preempted by an earlier reservation
+                continue
+            if self._reserve(r, 1):
+                work.append((r, 1))
+                budget -= 1
+        for r in prefilling:
+            n = min(r.seq.num_pending, budget)
+            if n == 0:
+                break
+            if r in self._active and self._reserve(r, n, preempt=False):
+                work.append((r, n))
+                budget -= n
+        if not work and self._active:
+            # Nothing fits and nothing runs that could free pages: refuse the oldest request.
+            self._fail(self._active[0], "the KV pool cannot hold this request (RESOURCE_EXHAUSTED)")
+        return work
+
+    def _reserve(self, r: _Request, n: int, preempt: bool = True) -> bool:
+        """Reserve pages for `n` more positions of `r`, preempting newer requests if allowed."""
+        while True:
+            try:
+                self.engine.reserve(r.seq, r.seq.num_computed + n)
+                return True
+            except OutOfPages:
+                victims = [v for v in self._active if v is not r and v.seq.pages]
+                if not preempt or not victims:
+                    return False
+                self._preempt(victims[-1])
+
+    def _preempt(self, r: _Request) -> None:
+        log.info("preempting %s: KV pool full", r.request_id)
+        self.engine.release(r.seq)
+        fresh = self.engine.new_sequence(r.seq.seq_id, r.seq.token_ids)
+        r.seq.pages, r.seq.num_computed = fresh.pages, fresh.num_computed
+        self._active.remove(r)
+        self._active.append(r)
+
+    def _emit_token(self, r: _Request, token: int) -> None:
+        r.seq.token_ids.append(token)
+        r.num_generated += 1
+        p = r.params
+        eos = not p.ignore_eos and token == self.tokenizer.eos_token_id
+        text = "" if eos else r.detok.push(token)
+        reason = None
+        if eos or token in p.stop_token_ids or r.detok.finished_by_stop is not None:
+            reason = "stop"
+        elif r.num_generated >= p.max_tokens or len(r.seq.token_ids) >= self.engine.model.config.max_position_embeddings:
+            reason = "length"
+        if reason is None:
+            r.outputs.put(Chunk([token], text))
+        else:
+            self._finish(r, [token], text + r.detok.flush(), reason)
+
+    def _finish(self, r: _Request, tokens: list[int], text: str, reason: str, error: str | None = None) -> None:
+        self.engine.release(r.seq, cache=reason != "error")
+        if r in self._active:
+            self._active.remove(r)
+        usage = Usage(r.prompt_len, r.num_generated, r.cached_tokens)
+        r.outputs.put(Chunk(tokens, text, reason, usage, error))
+
+    def _fail(self, r: _Request, message: str) -> None:
+        self._finish(r, [], "", "error", message)
+
