@@ -54,9 +54,14 @@ class Engine:
         to compute so its logits exist."""
         seq = Sequence(seq_id, list(token_ids))
         if use_prefix_cache:
-            seq.pages, seq.num_computed = self.prefix_cache.match(token_ids[:-1])
-            seq.num_cached = seq.num_computed
+            self.attach_cached_prefix(seq)
         return seq
+
+    def attach_cached_prefix(self, seq: Sequence) -> None:
+        """Give a sequence that holds no pages the longest cached prefix of its tokens."""
+        assert not seq.pages, "the sequence already holds pages"
+        seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1])
+        seq.num_cached = max(seq.num_cached, seq.num_computed)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Grow the page table to hold `num_tokens` positions, evicting cold cached prefixes

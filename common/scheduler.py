@@ -173,7 +173,12 @@ class Scheduler:
             n = min(r.seq.num_pending, budget)
             if n == 0:
                 break
-            if r in self._active and self._reserve(r, n, preempt=False):
+            if r not in self._active:
+                continue
+            if not r.seq.pages:  # preempted earlier
+                self.engine.attach_cached_prefix(r.seq)
+                n = min(r.seq.num_pending, budget)
+            if self._reserve(r, n, preempt=False):
                 work.append((r, n))
                 budget -= n
         if not work and self._active:
@@ -195,9 +200,8 @@ class Scheduler:
 
     def _preempt(self, r: _Request) -> None:
         log.info("preempting %s: KV pool full", r.request_id)
+        # Its pages stay in the prefix cache; it re-attaches them when it is scheduled again.
         self.engine.release(r.seq)
-        fresh = self.engine.new_sequence(r.seq.seq_id, r.seq.token_ids)
-        r.seq.pages, r.seq.num_computed = fresh.pages, fresh.num_computed
         self._active.remove(r)
         self._active.append(r)
 

@@ -1,0 +1,186 @@
+"""Text <-> token ids, and chat-template rendering, without transformers.
+
+Two sources: the tokenizer metadata embedded in a GGUF file (rebuilt the way llama.cpp reads it),
+or a Hugging Face model directory holding `tokenizer.json`.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+import gguf
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+GGUF_CONTROL_TOKEN = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+
+
+class Tokenizer:
+    """Encodes without adding BOS/EOS: prompts get their special tokens from the chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        eos_token_id: int,
+        bos_token_id: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The byte-level BPE tokenizer of a GGUF file with `tokenizer.ggml.model == "gpt2"`.
+
+        Pre-tokenization is llama.cpp's for `tokenizer.ggml.pre == "smollm"`: every digit on its
+        own, then the GPT-2 regex. Other pre-tokenizers split differently and are refused.
+        """
+        fields = gguf.GGUFReader(path).fields
+
+        def value(key: str) -> Any:
+            field = fields.get(key)
+            return None if field is None else field.contents()
+
+        kind = value("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{path}: unsupported tokenizer.ggml.model {kind!r}; only 'gpt2' (byte-level BPE) is")
+        pre = value("tokenizer.ggml.pre")
+        if pre != "smollm":
+            raise ValueError(f"{path}: unsupported tokenizer.ggml.pre {pre!r}; only 'smollm' is")
+        tokens: list[str] = value("tokenizer.ggml.tokens")
+        merges = [tuple(merge.split(" ", 1)) for merge in value("tokenizer.ggml.merges")]
+        backend = tokenizers.Tokenizer(
+            models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges)
+        )
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+        backend.decoder = decoders.ByteLevel()
+        token_types = value("tokenizer.ggml.token_type")
+        backend.add_special_tokens(
+            [
+                AddedToken(token, special=True, normalized=False)
+                for token, token_type in zip(tokens, token_types)
+                if token_type == GGUF_CONTROL_TOKEN
+            ]
+        )
+        return cls(
+            backend,
+            eos_token_id=value("tokenizer.ggml.eos_token_id"),
+            bos_token_id=value("tokenizer.ggml.bos_token_id"),
+            chat_template=value("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """A Hugging Face model directory: `tokenizer.json` plus whichever configs are present."""
+        path = Path(path)
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        configs = [_read_json(path / "generation_config.json"), _read_json(path / "config.json")]
+
+        def token_id(name: str) -> int | None:
+            """The id of `<name>_token` from tokenizer_config, else `<name>_token_id` from the configs."""
+            token = tokenizer_config.get(f"{name}_token")
+            if isinstance(token, dict):  # serialized AddedToken
+                token = token.get("content")
+            if isinstance(token, str) and backend.token_to_id(token) is not None:
+                return backend.token_to_id(token)
+            for config in configs:
+                found = config.get(f"{name}_token_id")
+                if isinstance(found, list):  # several stop ids: the first is the primary one
+                    found = found[0] if found else None
+                if found is not None:
+                    return found
+            return None
+
+        eos_token_id = token_id("eos")
+        if eos_token_id is None:
+            raise ValueError(f"{path}: no eos token in tokenizer_config.json, generation_config.json or config.json")
+        template_file = path / "chat_template.jinja"
+        if template_file.is_file():
+            chat_template = template_file.read_text()
+        else:
+            chat_template = tokenizer_config.get("chat_template")
+        return cls(backend, eos_token_id, token_id("bos"), chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a conversation to prompt text, as transformers' `apply_chat_template(tokenize=False)` does."""
+        return self._compiled_chat_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id),
+        )
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.id_to_token(token_id) or ""
+
+    @cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; format the prompt yourself")
+        return _chat_template_environment().from_string(self.chat_template)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a `.gguf` file or of a Hugging Face model directory."""
+    path = Path(path)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    if path.suffix == ".gguf":
+        return Tokenizer.from_gguf(path)
+    raise ValueError(f"{path}: expected a .gguf file or a directory with tokenizer.json")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson HTML-escapes, which would corrupt prompts.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja environment transformers renders chat templates in (templates are untrusted code)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

@@ -1,0 +1,37 @@
+"""Shared fixtures: the embedded default model, loaded once per test session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checkpoint import load_checkpoint
+from common.default_model import default_model_path
+from common.model import LlamaModel
+from common.tokenizer import load_tokenizer
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model(model_path) -> LlamaModel:
+    return LlamaModel(load_checkpoint(model_path))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """The independent reference: transformers reading the same GGUF."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    return hf.eval()

@@ -1,0 +1,31 @@
+"""Helpers that run our engine and the transformers reference the same way."""
+from __future__ import annotations
+
+import torch
+
+from common.engine import Engine
+from common.model import LlamaModel
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation with transformers' own KV cache; EOS does not stop it."""
+    out = hf_model(torch.tensor([prompt]), use_cache=True)
+    tokens = []
+    for _ in range(num_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def engine_greedy(model: LlamaModel, prompt: list[int], num_tokens: int, page_size: int = 16) -> list[int]:
+    """Greedy continuation with our engine: one prefill, then single-token decode steps."""
+    engine = Engine(model, num_pages=-(-(len(prompt) + num_tokens) // page_size) + 1, page_size=page_size)
+    seq = engine.new_sequence("ref", prompt, use_prefix_cache=False)
+    tokens = []
+    while len(tokens) < num_tokens:
+        engine.reserve(seq, len(seq.token_ids))
+        logits = engine.forward([(seq, seq.num_pending)])
+        tokens.append(int(logits[0].argmax()))
+        seq.token_ids.append(tokens[-1])
+    return tokens

@@ -1,0 +1,84 @@
+"""Our engine against the transformers implementation of the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checkpoint import load_checkpoint
+from common.model import ForwardBatch, LlamaModel, SequenceSlice
+from tests.reference import engine_greedy, hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a land far away, there lived a dragon who loved 42 kinds of tea.",
+]
+
+
+def full_logits(model: LlamaModel, ids: list[int], scatter: bool = True) -> torch.Tensor:
+    """Logits at every position from one prefill whose K/V land on scattered slots."""
+    n = len(ids)
+    pool = model.new_pool(num_pages=-(-n // 16) * 2, page_size=16)
+    slots = torch.randperm(pool.num_slots)[:n] if scatter else torch.arange(n)
+    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), [SequenceSlice(n, slots)], torch.arange(n))
+    return model.forward(batch, pool)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_match_transformers(model, tokenizer, hf_model, prompt):
+    ids = tokenizer.encode(prompt)
+    ours = full_logits(model, ids)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() <= 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_32_tokens_match_transformers(model, tokenizer, hf_model, prompt):
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+    assert engine_greedy(model, ids, 32) == hf_greedy(hf_model, ids, 32)
+
+
+def _tiny_config(kind: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "llama3-rope":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None, head_dim=24)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "mistral"])
+def test_tiny_random_hf_models(kind, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(_tiny_config(kind)).eval()
+    if kind == "qwen2":  # random init leaves biases at zero; make the qkv bias path matter
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    hf.save_pretrained(tmp_path)
+    model = LlamaModel(load_checkpoint(tmp_path))
+    assert model.config.architecture == {"llama3-rope": "llama"}.get(kind, kind)
+    ids = torch.randint(0, 320, (150,)).tolist()  # longer than original_max_position_embeddings
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = full_logits(model, ids)
+    assert (ours - ref).abs().max().item() <= 1e-4
+    assert engine_greedy(model, ids[:20], 12, page_size=4) == hf_greedy(hf, ids[:20], 12)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        load_checkpoint(tmp_path)

@@ -1,0 +1,140 @@
+"""The continuous-batching loop: same tokens as running each request alone, no page leaks."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from common.engine import Engine
+from common.sampling import SamplingParams
+from common.scheduler import Chunk, RequestHandle, Scheduler
+from tests.reference import engine_greedy
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(100, 40000), k=n)
+
+
+def collect(handle: RequestHandle) -> tuple[list[int], str, Chunk]:
+    tokens, text = [], ""
+    while True:
+        chunk = handle.next_chunk(timeout=120)
+        assert chunk is not None, "scheduler stalled"
+        tokens += chunk.token_ids
+        text += chunk.text
+        if chunk.finish_reason:
+            return tokens, text, chunk
+
+
+@pytest.fixture
+def make_scheduler(model, tokenizer):
+    started = []
+
+    def make(num_pages: int = 64, page_size: int = 16, max_batch_tokens: int = 512) -> Scheduler:
+        s = Scheduler(Engine(model, num_pages, page_size), tokenizer, max_batch_tokens)
+        s.start()
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+def _assert_no_leak(s: Scheduler) -> None:
+    engine = s.engine
+    with engine.lock:
+        engine.prefix_cache.clear()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def test_staggered_requests_with_chunked_prefill_match_solo_runs(model, make_scheduler):
+    prompts = [_ids(n, n) for n in (50, 9, 33, 70)]
+    expected = [engine_greedy(model, p, 8) for p in prompts]
+    s = make_scheduler(max_batch_tokens=24)  # forces prefill chunks mixed with decodes
+    handles = []
+    for i, p in enumerate(prompts):
+        handles.append(s.submit(str(i), s.engine.new_sequence(str(i), p), GREEDY))
+        time.sleep(0.05)
+    for h, want in zip(handles, expected):
+        tokens, _, last = collect(h)
+        assert tokens == want
+        assert last.finish_reason == "length" and last.usage.completion_tokens == 8
+    _assert_no_leak(s)
+
+
+def test_preemption_under_a_small_pool_keeps_outputs_exact(model, make_scheduler):
+    prompts = [_ids(30, 100 + i) for i in range(4)]
+    expected = [engine_greedy(model, p, 20, page_size=4) for p in prompts]
+    s = make_scheduler(num_pages=30, page_size=4)  # 4 x 50 tokens need 52 pages
+    handles = [s.submit(str(i), s.engine.new_sequence(str(i), p), SamplingParams(max_tokens=20, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+    assert [collect(h)[0] for h in handles] == expected
+    _assert_no_leak(s)
+
+
+def test_request_larger_than_the_pool_fails_fast(make_scheduler):
+    s = make_scheduler(num_pages=4, page_size=16)
+    _, _, last = collect(s.submit("big", s.engine.new_sequence("big", _ids(100, 5)), GREEDY))
+    assert last.finish_reason == "error" and "RESOURCE_EXHAUSTED" in last.error
+    _assert_no_leak(s)
+
+
+def test_abort_frees_pages(make_scheduler):
+    s = make_scheduler()
+    h = s.submit("a", s.engine.new_sequence("a", _ids(20, 6)), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    assert h.next_chunk(timeout=60).finish_reason is None
+    assert s.abort("a")
+    assert collect(h)[2].finish_reason == "abort"
+    assert not s.abort("a")
+    _assert_no_leak(s)
+
+
+def test_prefix_cache_hit_reported_in_usage(make_scheduler, model):
+    s = make_scheduler()
+    prompt = _ids(40, 7)
+    first, _, _ = collect(s.submit("1", s.engine.new_sequence("1", prompt), GREEDY))
+    seq = s.engine.new_sequence("2", prompt)
+    second, _, last = collect(s.submit("2", seq, GREEDY))
+    assert first == second and last.usage.cached_tokens == 32 and last.usage.prompt_tokens == 40
+
+
+def test_stop_strings_and_stop_tokens(make_scheduler, tokenizer):
+    s = make_scheduler()
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Count from 1 to 20."}]))
+    full_tokens, full_text, _ = collect(s.submit("full", s.engine.new_sequence("full", prompt),
+                                                 SamplingParams(max_tokens=40, ignore_eos=True)))
+    stop = full_text[10:14]
+    _, text, last = collect(s.submit("s", s.engine.new_sequence("s", prompt),
+                                     SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))))
+    assert last.finish_reason == "stop" and text == full_text[: full_text.index(stop)]
+    tokens, _, last = collect(s.submit("t", s.engine.new_sequence("t", prompt),
+                                       SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(full_tokens[5],))))
+    assert last.finish_reason == "stop" and tokens == full_tokens[: full_tokens.index(full_tokens[5]) + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(make_scheduler, model):
+    s = make_scheduler()
+    prompt = _ids(12, 8)
+    hot = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=1234, ignore_eos=True)
+    a = collect(s.submit("a", s.engine.new_sequence("a", prompt), hot))[0]
+    b = collect(s.submit("b", s.engine.new_sequence("b", prompt), hot))[0]
+    assert a == b
+    k1 = SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True)
+    assert collect(s.submit("k", s.engine.new_sequence("k", prompt), k1))[0] == engine_greedy(model, prompt, 8)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (SamplingParams(max_tokens=0), "max_tokens"),
+    (SamplingParams(temperature=-1), "temperature"),
+    (SamplingParams(top_p=0), "top_p"),
+    (SamplingParams(top_k=-2), "top_k"),
+    (SamplingParams(stop_token_ids=(10**9,)), "stop_token_ids"),
+])
+def test_sampling_validation(bad, message):
+    with pytest.raises(ValueError, match=message):
+        bad.validate(vocab_size=49152)
