@@ -39,7 +39,9 @@ class Chunk:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
-    error: str | None = None  # set with finish_reason "error" (e.g. the pool cannot hold the request)
+    # With finish_reason "error": a gRPC status name ("RESOURCE_EXHAUSTED", "INTERNAL") and why.
+    error_code: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -121,6 +123,10 @@ class Scheduler:
             self._wakeup.notify()
             return True
 
+    def is_active(self, request_id: str) -> bool:
+        with self.lock:
+            return any(r.request_id == request_id for r in self._active)
+
     def num_active(self) -> int:
         with self.lock:
             return len(self._active)
@@ -145,7 +151,7 @@ class Scheduler:
                 log.exception("forward failed")
                 with self.lock:
                     for r, _ in work:
-                        self._fail(r, f"internal error in the model forward: {exc}")
+                        self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
                 continue
             with self.lock:
                 for (r, _), row in zip(work, logits):
@@ -183,7 +189,8 @@ class Scheduler:
                 budget -= n
         if not work and self._active:
             # Nothing fits and nothing runs that could free pages: refuse the oldest request.
-            self._fail(self._active[0], "the KV pool cannot hold this request (RESOURCE_EXHAUSTED)")
+            self._fail(self._active[0], "RESOURCE_EXHAUSTED",
+                       "the KV pool cannot hold this request; send a shorter prompt or fewer max_tokens")
         return work
 
     def _reserve(self, r: _Request, n: int, preempt: bool = True) -> bool:
@@ -221,13 +228,14 @@ class Scheduler:
         else:
             self._finish(r, [token], text + r.detok.flush(), reason)
 
-    def _finish(self, r: _Request, tokens: list[int], text: str, reason: str, error: str | None = None) -> None:
+    def _finish(self, r: _Request, tokens: list[int], text: str, reason: str,
+                error_code: str | None = None, error: str | None = None) -> None:
         self.engine.release(r.seq, cache=reason != "error")
         if r in self._active:
             self._active.remove(r)
         usage = Usage(r.prompt_len, r.num_generated, r.cached_tokens)
-        r.outputs.put(Chunk(tokens, text, reason, usage, error))
+        r.outputs.put(Chunk(tokens, text, reason, usage, error_code, error))
 
-    def _fail(self, r: _Request, message: str) -> None:
-        self._finish(r, [], "", "error", message)
+    def _fail(self, r: _Request, code: str, message: str) -> None:
+        self._finish(r, [], "", "error", code, message)
 

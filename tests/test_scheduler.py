@@ -80,7 +80,7 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(model, make_scheduler
 def test_request_larger_than_the_pool_fails_fast(make_scheduler):
     s = make_scheduler(num_pages=4, page_size=16)
     _, _, last = collect(s.submit("big", s.engine.new_sequence("big", _ids(100, 5)), GREEDY))
-    assert last.finish_reason == "error" and "RESOURCE_EXHAUSTED" in last.error
+    assert last.finish_reason == "error" and last.error_code == "RESOURCE_EXHAUSTED" and "KV pool" in last.error
     _assert_no_leak(s)
 
 

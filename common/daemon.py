@@ -1,0 +1,88 @@
+"""What both daemons share: structured logging, the gRPC server with health checking and
+reflection, the Prometheus endpoint, and graceful shutdown on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+class GrpcDaemon:
+    """A gRPC server plus health/reflection/metrics, run until a termination signal."""
+
+    def __init__(self, host: str, port: int, max_workers: int = 64) -> None:
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self.address = f"{host}:{port}"
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.address}")
+        self._stop = threading.Event()
+
+    def serve(
+        self,
+        service_names: list[str],
+        metrics_registry: CollectorRegistry | None = None,
+        metrics_port: int | None = None,
+        on_shutdown: Callable[[], None] | None = None,
+        grace_seconds: float = 10.0,
+    ) -> None:
+        """Start serving (health SERVING), block until SIGTERM/SIGINT, then drain and stop."""
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        if metrics_port is not None:
+            start_http_server(metrics_port, registry=metrics_registry)
+        self.server.start()
+        for name in ["", *service_names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log = logging.getLogger("daemon")
+        log.info("serving", extra={"fields": {"address": f"{self.address.rsplit(':', 1)[0]}:{self.port}",
+                                              "metrics_port": metrics_port}})
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        self._stop.wait()
+        log.info("shutting down: draining in-flight requests")
+        self.health.enter_graceful_shutdown()
+        started = time.monotonic()
+        self.server.stop(grace_seconds).wait()
+        if on_shutdown is not None:
+            on_shutdown()
+        log.info("stopped", extra={"fields": {"drain_seconds": round(time.monotonic() - started, 3)}})

@@ -1,0 +1,27 @@
+"""Load a model and its tokenizer for a daemon: the given path or the embedded default."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from common.checkpoint import load_checkpoint
+from common.default_model import default_model_path
+from common.model import LlamaModel
+from common.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float32,
+                             device: str = "cpu") -> tuple[LlamaModel, Tokenizer]:
+    path = path or default_model_path()
+    started = time.monotonic()
+    model = LlamaModel(load_checkpoint(path), dtype=dtype, device=device)
+    tokenizer = load_tokenizer(path)
+    log.info("model loaded", extra={"fields": {
+        "model": str(path), "layers": model.config.num_layers, "dtype": str(dtype).removeprefix("torch."),
+        "seconds": round(time.monotonic() - started, 2)}})
+    return model, tokenizer

@@ -1,0 +1,1 @@
+"""The decode node daemon: `python -m decode_node --help`."""

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the decode node, in a registry of its own."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.engine import Engine
+
+if TYPE_CHECKING:
+    from decode_node.reservations import ReservationTable
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class DecodeMetrics:
+    def __init__(self, engine: Engine, reservations: ReservationTable) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge("duet_kv_pages_total", "Pages in the KV pool", registry=r).set(engine.allocator.num_pages)
+        Gauge("duet_kv_pages_free", "Pages on the free list", registry=r).set_function(
+            lambda: engine.allocator.num_free)
+        Gauge("duet_kv_pages_reserved", "Pages held by reservations not yet claimed by StartGeneration",
+              registry=r).set_function(lambda: _locked(engine, reservations.reserved_pages))
+        Gauge("duet_kv_pages_cached", "Pages held by the prefix cache", registry=r).set_function(
+            lambda: _locked(engine, lambda: engine.prefix_cache.num_cached_pages))
+        self.requests = Counter("duet_requests", "Finished requests by outcome", ["rpc", "outcome"], registry=r)
+        self.ttft = Histogram("duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_hit_tokens = Counter("duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                         registry=r)
+        self.lease_expiries = Counter("duet_lease_expiries", "Reservations freed because their lease ran out",
+                                      registry=r)
+
+
+def _locked(engine: Engine, read):
+    with engine.lock:
+        return read()

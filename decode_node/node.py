@@ -1,0 +1,162 @@
+"""The decode node's request logic, independent of gRPC: reservations for incoming KV,
+claiming them into the continuous-batching scheduler, single-node generation, aborts."""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from common.engine import Engine, Sequence
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from common.kv_metadata import encode_segments
+from common.model import LlamaModel
+from common.page_allocator import OutOfPages
+from common.sampling import SamplingParams
+from common.scheduler import RequestHandle, Scheduler
+from common.tokenizer import Tokenizer
+from decode_node.config import DecodeNodeConfig
+from decode_node.metrics import DecodeMetrics
+from decode_node.reservations import Reservation, ReservationTable
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class PreparedReceive:
+    prompt_length: int
+    prefix_matched_length: int
+    kv_window_end: int
+    kv_append_metadata: list[int]
+    lease_deadline_unix: float
+    transfer_nonce: int
+
+
+class DecodeNode:
+    def __init__(self, config: DecodeNodeConfig, model: LlamaModel, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine = Engine(model, config.kv_pages, config.page_size)
+        self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens)
+        self.reservations = ReservationTable(self.engine, on_expire=lambda r: self.metrics.lease_expiries.inc())
+        self.metrics = DecodeMetrics(self.engine, self.reservations)
+        self.scheduler.start()
+        self.reservations.start()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    def shutdown(self) -> None:
+        self.reservations.stop()
+        self.scheduler.stop()
+        with self.engine.lock:
+            self.reservations.release_all()
+
+    # ---- validation ----
+
+    def _check_request_id(self, request_id: str) -> None:
+        if not request_id:
+            raise InvalidArgument("request_id must be a non-empty string")
+        if len(request_id) > MAX_REQUEST_ID_LENGTH:
+            raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+
+    def _check_prompt(self, token_ids: Seq[int]) -> list[int]:
+        if not token_ids:
+            raise InvalidArgument("the prompt is empty: send at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        limit = self.engine.model.config.max_position_embeddings
+        if len(token_ids) >= limit:
+            raise InvalidArgument(f"the prompt has {len(token_ids)} tokens; the model's context holds {limit} "
+                                  "including at least one generated token")
+        return list(token_ids)
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self.reservations or self.scheduler.is_active(request_id):
+            raise AlreadyExists(f"request {request_id!r} is still live; use a new request_id or Abort it first")
+
+    # ---- the three-call flow ----
+
+    def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None) -> PreparedReceive:
+        """Reserve slots for positions [prefix_matched_length, end) of the prompt."""
+        self._check_request_id(request_id)
+        tokens = self._check_prompt(token_ids)
+        n = len(tokens)
+        end = -1 if kv_window_end is None else kv_window_end
+        resolved = end + n if end < 0 else end
+        if not 0 <= resolved < n:
+            raise InvalidArgument(f"kv_window_end {end} resolves to {resolved}, outside [0, {n}) for a "
+                                  f"{n}-token prompt (the decode node computes at least the last token)")
+        with self.engine.lock:
+            self._check_unused(request_id)
+            seq = self.engine.new_sequence(request_id, tokens)
+            matched = seq.num_computed
+            try:
+                self._admit(seq, resolved)
+                self.engine.reserve(seq, resolved)
+            except (ResourceExhausted, OutOfPages) as exc:
+                self.engine.release(seq, cache=False)
+                raise ResourceExhausted(f"the KV pool cannot hold this request now ({exc}); retry later or "
+                                        "send a shorter prompt") from None
+            slots = self.engine.pool.slots_for(seq.pages, matched, resolved).tolist() if resolved > matched else []
+            deadline = time.time() + self.config.lease_seconds
+            reservation = Reservation(request_id, seq, matched, resolved, secrets.randbits(63), deadline,
+                                      complete=matched >= resolved)
+            self.reservations.add(reservation)
+        self.metrics.prefix_hit_tokens.inc(matched)
+        return PreparedReceive(n, matched, resolved, encode_segments(slots), deadline, reservation.nonce)
+
+    def _admit(self, seq: Sequence, end: int) -> None:
+        """Refuse a reservation that would eat into the pages kept for running decodes."""
+        needed = self.engine.pages_needed(seq, end)
+        available = self.engine.allocator.num_free + self.engine.prefix_cache.evictable_pages()
+        keep = int(self.config.admission_watermark * self.engine.allocator.num_pages)
+        if needed > available - keep:
+            raise ResourceExhausted(f"needs {needed} pages, {available} available, {keep} kept for running decodes")
+
+    def complete_transfer(self, request_id: str, nonce: int) -> None:
+        with self.engine.lock:
+            r = self.reservations.get(request_id)
+            if r is None:
+                raise NotFound(f"no reservation {request_id!r}: it was never made, expired or was aborted")
+            if nonce != r.nonce:
+                raise PermissionDenied(f"transfer_nonce does not match the one issued for {request_id!r}")
+            r.complete = True
+
+    def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
+        self._check_request_id(request_id)
+        with self.engine.lock:
+            r = self.reservations.get(request_id)
+            if r is None:
+                raise NotFound(f"no reservation {request_id!r}: call PrepareReceive first (or it expired)")
+            if kv_window_begin != r.end:
+                raise InvalidArgument(f"kv_window_begin {kv_window_begin} must equal the reservation's "
+                                      f"kv_window_end {r.end}")
+            if not r.complete:
+                raise FailedPrecondition(f"the KV transfer for {request_id!r} has not completed yet")
+            self.reservations.claim(request_id)
+            r.seq.num_computed = max(r.prefix_matched, r.end)
+            return self.scheduler.submit(request_id, r.seq, params)
+
+    def generate(self, request_id: str | None, token_ids: Seq[int], params: SamplingParams) -> RequestHandle:
+        """Single-node generation: prefill locally (reusing the prefix cache), then decode."""
+        request_id = request_id or uuid.uuid4().hex
+        self._check_request_id(request_id)
+        tokens = self._check_prompt(token_ids)
+        with self.engine.lock:
+            self._check_unused(request_id)
+            seq = self.engine.new_sequence(request_id, tokens)
+            self.metrics.prefix_hit_tokens.inc(seq.num_computed)
+            return self.scheduler.submit(request_id, seq, params)
+
+    def abort(self, request_id: str) -> None:
+        with self.engine.lock:
+            if self.reservations.release(request_id) or self.scheduler.abort(request_id):
+                return
+        raise NotFound(f"no live request {request_id!r}")

@@ -1,0 +1,88 @@
+"""Leased KV reservations made by PrepareReceive, waiting for their transfer and StartGeneration.
+
+A reservation owns the page references of its sequence (matched prefix plus slots for the
+window being received). If StartGeneration does not claim it before its deadline, a sweeper
+returns every page to the pool.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.engine import Engine, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    seq: Sequence
+    prefix_matched: int
+    end: int  # positions [prefix_matched, end) arrive from the writer
+    nonce: int
+    deadline: float  # time.time() seconds
+    complete: bool  # the writer reported the transfer finished (or nothing had to be sent)
+
+
+class ReservationTable:
+    """All methods must be called with `engine.lock` held, except start/stop."""
+
+    def __init__(self, engine: Engine, on_expire: Callable[[Reservation], None], sweep_seconds: float = 0.1) -> None:
+        self.engine = engine
+        self._by_id: dict[str, Reservation] = {}
+        self._on_expire = on_expire
+        self._sweep_seconds = sweep_seconds
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._sweep_loop, name="lease-sweeper", daemon=True)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._by_id.get(request_id)
+
+    def add(self, r: Reservation) -> None:
+        self._by_id[r.request_id] = r
+
+    def claim(self, request_id: str) -> Reservation:
+        """Take the reservation out of the table; its pages now belong to the caller."""
+        return self._by_id.pop(request_id)
+
+    def release(self, request_id: str) -> bool:
+        r = self._by_id.pop(request_id, None)
+        if r is None:
+            return False
+        self.engine.release(r.seq, cache=False)
+        return True
+
+    def reserved_pages(self) -> int:
+        return sum(len(r.seq.pages) for r in self._by_id.values())
+
+    def expire_due(self, now: float) -> list[Reservation]:
+        expired = [r for r in self._by_id.values() if r.deadline <= now]
+        for r in expired:
+            self.release(r.request_id)
+        return expired
+
+    def release_all(self) -> None:
+        for request_id in list(self._by_id):
+            self.release(request_id)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _sweep_loop(self) -> None:
+        while not self._stopped.wait(self._sweep_seconds):
+            with self.engine.lock:
+                expired = self.expire_due(time.time())
+            for r in expired:
+                log.info("lease expired", extra={"fields": {"request_id": r.request_id}})
+                self._on_expire(r)

@@ -1,0 +1,120 @@
+"""gRPC servicer for duet.v1.DecodeNode: protobuf in, DecodeNode calls, protobuf out."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from common.errors import InvalidArgument, RequestError
+from common.rpc_convert import chunk_to_proto, sampling_from_proto
+from common.scheduler import RequestHandle
+from decode_node.node import DecodeNode
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPT_TEXT_CHARS = 1_000_000
+
+
+class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, node: DecodeNode) -> None:
+        self.node = node
+        self.metrics = node.metrics
+
+    def _fail(self, context: grpc.ServicerContext, rpc: str, exc: RequestError):
+        self.metrics.requests.labels(rpc, exc.code.name).inc()
+        context.abort(exc.code, str(exc))
+
+    def PrepareReceive(self, request: pb.PrepareReceiveRequest, context) -> pb.PrepareReceiveResponse:
+        end = request.kv_window_end if request.HasField("kv_window_end") else None
+        try:
+            p = self.node.prepare_receive(request.request_id, request.token_ids, end)
+        except RequestError as exc:
+            self._fail(context, "PrepareReceive", exc)
+        return pb.PrepareReceiveResponse(
+            prompt_length=p.prompt_length, prefix_matched_length=p.prefix_matched_length,
+            kv_append_metadata=p.kv_append_metadata, kv_window_end=p.kv_window_end,
+            lease_deadline_unix=p.lease_deadline_unix, transfer_nonce=p.transfer_nonce,
+        )
+
+    def CompleteTransfer(self, request: pb.CompleteTransferRequest, context) -> pb.CompleteTransferResponse:
+        try:
+            self.node.complete_transfer(request.request_id, request.transfer_nonce)
+        except RequestError as exc:
+            self._fail(context, "CompleteTransfer", exc)
+        return pb.CompleteTransferResponse()
+
+    def StartGeneration(self, request: pb.StartGenerationRequest, context) -> Iterator[pb.GenerationChunk]:
+        received = time.perf_counter()
+        try:
+            params = sampling_from_proto(request.sampling, self.node.vocab_size)
+            handle = self.node.start_generation(request.request_id, request.kv_window_begin, params)
+        except RequestError as exc:
+            self._fail(context, "StartGeneration", exc)
+        yield from self._stream("StartGeneration", handle, context, received)
+
+    def Generate(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerationChunk]:
+        received = time.perf_counter()
+        try:
+            params = sampling_from_proto(request.sampling, self.node.vocab_size)
+            tokens = self._prompt_tokens(request)
+            rid = request.request_id if request.HasField("request_id") else None
+            handle = self.node.generate(rid, tokens, params)
+        except RequestError as exc:
+            self._fail(context, "Generate", exc)
+        yield from self._stream("Generate", handle, context, received)
+
+    def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        try:
+            self.node.abort(request.request_id)
+        except RequestError as exc:
+            self._fail(context, "Abort", exc)
+        return pb.AbortResponse()
+
+    def _prompt_tokens(self, request: pb.GenerateRequest) -> list[int]:
+        given = [name for name in ("token_ids", "prompt", "messages") if getattr(request, name)]
+        if len(given) != 1:
+            raise InvalidArgument(f"set exactly one of token_ids, prompt, messages (got {given or 'none'})")
+        tok = self.node.tokenizer
+        if request.token_ids:
+            return list(request.token_ids)
+        if request.prompt:
+            if len(request.prompt) > MAX_PROMPT_TEXT_CHARS:
+                raise InvalidArgument(f"prompt is longer than {MAX_PROMPT_TEXT_CHARS} characters")
+            return tok.encode(request.prompt)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_TEXT_CHARS:
+            raise InvalidArgument(f"messages are longer than {MAX_PROMPT_TEXT_CHARS} characters")
+        try:
+            return tok.encode(tok.apply_chat_template(messages))
+        except Exception as exc:  # the template itself may raise on malformed conversations
+            raise InvalidArgument(f"messages could not be rendered with the chat template: {exc}") from None
+
+    def _stream(self, rpc: str, handle: RequestHandle, context, received: float) -> Iterator[pb.GenerationChunk]:
+        """Relay chunks until the request finishes; a cancelled call aborts the request."""
+        context.add_callback(lambda: self.node.scheduler.abort(handle.request_id))
+        first = None
+        while True:
+            chunk = handle.next_chunk(timeout=0.5)
+            if chunk is None:
+                if not context.is_active():
+                    self.node.scheduler.abort(handle.request_id)
+                    self.metrics.requests.labels(rpc, "cancelled").inc()
+                    return
+                continue
+            now = time.perf_counter()
+            if first is None and chunk.token_ids:
+                first = now
+                self.metrics.ttft.observe(now - received)
+            if chunk.finish_reason == "error":
+                self.metrics.requests.labels(rpc, chunk.error_code).inc()
+                context.abort(grpc.StatusCode[chunk.error_code], chunk.error)
+            yield chunk_to_proto(handle.request_id, chunk)
+            if chunk.finish_reason:
+                if first is not None and chunk.usage.completion_tokens > 1:
+                    self.metrics.tpot.observe((now - first) / (chunk.usage.completion_tokens - 1))
+                self.metrics.requests.labels(rpc, chunk.finish_reason).inc()
+                return

@@ -1,0 +1,205 @@
+"""Engine throughput against transformers, on the default model, side by side in one run.
+
+What is measured (fp32, CPU, torch's default thread count, `torch.inference_mode`; every
+number is the median of timed iterations that follow untimed warm-up iterations):
+
+- prefill, batch 1, prompt lengths 128 / 512 / 2048: tokens per second of one forward over
+  the whole prompt.
+  ours   = `Engine.forward([(seq, n)])` into a fresh sequence whose pages are reserved first
+           (batch building, K/V writes into the paged pool and logits of the last token
+           included);
+  theirs = `model(ids[1, n], use_cache=True, logits_to_keep=1)`, i.e. what `generate()` runs
+           for a prefill (logits of the last position only, like ours).
+- decode, batch 1 / 8 / 32, each sequence holding a 128-token prompt: milliseconds per step
+  of one new token for every sequence.
+  ours   = `Engine.forward` with `(seq, 1)` per sequence, pages reserved beforehand;
+  theirs = `model(ids[B, 1], past_key_values=cache, use_cache=True)` where the DynamicCache
+           comes from one batched `[B, 128]` prefill.
+  Both sides run the same number of steps, so contexts grow identically.
+
+Ratios are ours/theirs: for prefill tok/s higher is better, for decode ms/step lower is
+better. Goals (informational, the exit status is 0 either way): decode at batch 8 at most
+0.8x transformers' step time, prefill at least 1.0x transformers' throughput.
+
+Usage: python -m scripts.bench_engine [--quick] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from common.checkpoint import load_checkpoint
+from common.default_model import default_model_path
+from common.engine import Engine
+from common.model import LlamaModel
+
+PAGE_SIZE = 16
+DECODE_CONTEXT = 128
+PREFILL_GOAL = 1.0  # ours/theirs tok/s, at least
+DECODE_GOAL = 0.8  # ours/theirs ms/step at batch 8, at most
+DECODE_GOAL_BATCH = 8
+
+
+@dataclass
+class Row:
+    kind: str  # "prefill" or "decode"
+    size: int  # prompt length (prefill) or batch size (decode)
+    ours: float  # tok/s (prefill) or ms/step (decode)
+    theirs: float
+    ratio: float  # ours / theirs
+    goal: str  # e.g. ">= 1.0x", "" when none applies
+    verdict: str  # "PASS", "MISS" or ""
+
+
+def median_time(fn: Callable[[], object], warmup: int, iters: int, before: Callable[[], object] | None = None) -> float:
+    """Median wall time of `fn` in seconds; `before` runs untimed ahead of every call."""
+    times = []
+    for i in range(warmup + iters):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen)
+
+
+def prefill_ours(model: LlamaModel, prompt: list[int], warmup: int, iters: int) -> float:
+    engine = Engine(model, num_pages=-(-len(prompt) // PAGE_SIZE) + 1, page_size=PAGE_SIZE)
+    seq = engine.new_sequence("bench", prompt, use_prefix_cache=False)
+
+    def fresh() -> None:
+        engine.release(seq, cache=False)
+        engine.reserve(seq, len(prompt))
+
+    return median_time(lambda: engine.forward([(seq, len(prompt))]), warmup, iters, before=fresh)
+
+
+def prefill_theirs(hf, prompt: list[int], warmup: int, iters: int) -> float:
+    ids = torch.tensor([prompt])
+    return median_time(lambda: hf(ids, use_cache=True, logits_to_keep=1), warmup, iters)
+
+
+def decode_ours(model: LlamaModel, prompts: torch.Tensor, warmup: int, iters: int) -> float:
+    batch, length = prompts.shape
+    steps = warmup + iters
+    per_seq = -(-(length + steps) // PAGE_SIZE)
+    engine = Engine(model, num_pages=batch * per_seq, page_size=PAGE_SIZE)
+    seqs = [engine.new_sequence(f"s{i}", prompts[i].tolist(), use_prefix_cache=False) for i in range(batch)]
+    for seq in seqs:
+        engine.reserve(seq, length + steps)
+    logits = engine.forward([(seq, length) for seq in seqs])
+
+    def append_next() -> None:
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            seq.token_ids.append(token)
+
+    def step() -> None:
+        nonlocal logits
+        logits = engine.forward([(seq, 1) for seq in seqs])
+
+    return median_time(step, warmup, iters, before=append_next)
+
+
+def decode_theirs(hf, prompts: torch.Tensor, warmup: int, iters: int) -> float:
+    out = hf(prompts, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    logits = out.logits[:, -1]
+
+    def step() -> None:
+        nonlocal logits
+        next_ids = logits.argmax(-1, keepdim=True)
+        logits = hf(next_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    return median_time(step, warmup, iters)
+
+
+def load_models() -> tuple[LlamaModel, object]:
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    ours = LlamaModel(load_checkpoint(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return ours, hf
+
+
+def run(quick: bool) -> list[Row]:
+    prefill_lengths = [128, 512] if quick else [128, 512, 2048]
+    decode_batches = [1, 8] if quick else [1, 8, 32]
+    warmup, iters = (1, 3) if quick else (2, 5)
+    decode_warmup, decode_iters = (2, 8) if quick else (3, 15)
+
+    ours, hf = load_models()
+    vocab = ours.config.vocab_size
+    rows = []
+    with torch.inference_mode():
+        for n in prefill_lengths:
+            prompt = random_prompts(1, n, vocab)[0].tolist()
+            # Long prompts are slow; fewer iterations keep the run short.
+            w, it = (1, 3) if n >= 2048 else (warmup, iters)
+            a = n / prefill_ours(ours, prompt, w, it)
+            b = n / prefill_theirs(hf, prompt, w, it)
+            ok = a / b >= PREFILL_GOAL
+            rows.append(Row("prefill", n, a, b, a / b, f">= {PREFILL_GOAL}x", "PASS" if ok else "MISS"))
+            print(f"  prefill {n:5d}: ours {a:9.1f} tok/s, transformers {b:9.1f} tok/s", flush=True)
+        for bsz in decode_batches:
+            prompts = random_prompts(bsz, DECODE_CONTEXT, vocab, seed=bsz)
+            a = 1e3 * decode_ours(ours, prompts, decode_warmup, decode_iters)
+            b = 1e3 * decode_theirs(hf, prompts, decode_warmup, decode_iters)
+            goal, verdict = "", ""
+            if bsz == DECODE_GOAL_BATCH:
+                goal, verdict = f"<= {DECODE_GOAL}x", "PASS" if a / b <= DECODE_GOAL else "MISS"
+            rows.append(Row("decode", bsz, a, b, a / b, goal, verdict))
+            print(f"  decode  B={bsz:3d}: ours {a:8.2f} ms/step, transformers {b:8.2f} ms/step", flush=True)
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [
+        f"{'measure':<28} {'ours':>10} {'transformers':>13} {'ratio':>7}  {'goal':<9} {'':<4}",
+        "-" * 77,
+    ]
+    for r in rows:
+        if r.kind == "prefill":
+            label, unit = f"prefill {r.size} tok (tok/s)", "higher"
+            fmt = "{:>10.1f} {:>13.1f}"
+        else:
+            label, unit = f"decode B={r.size}, ctx {DECODE_CONTEXT} (ms/step)", "lower"
+            fmt = "{:>10.2f} {:>13.2f}"
+        lines.append(f"{label:<28} " + fmt.format(r.ours, r.theirs) + f" {r.ratio:>6.2f}x  {r.goal:<9} {r.verdict:<4}")
+    lines.append("ratio = ours/transformers: prefill higher is better, decode lower is better")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; measuring...", flush=True)
+    rows = run(args.quick)
+    print()
+    print(format_table(rows))
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "decode_context": DECODE_CONTEXT,
+                       "rows": [asdict(r) for r in rows]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Start the real daemons as separate processes on loopback, and always clean them up."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.duet.v1 import duet_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, module: str, args: list[str], log_path: Path) -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
+               "--metrics-port", str(self.metrics_port), *args]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.channel = grpc.insecure_channel(self.address)
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"daemon not healthy after {timeout}s:\n{self.log_path.read_text()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of the Prometheus endpoint, by name."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@contextmanager
+def decode_node(tmp_dir: Path, *args: str):
+    d = Daemon("decode_node", list(args), tmp_dir / f"decode_node_{free_port()}.log")
+    try:
+        d.wait_healthy()
+        d.stub = duet_pb2_grpc.DecodeNodeStub(d.channel)
+        yield d
+    finally:
+        d.stop()
