@@ -7,6 +7,11 @@ import grpc
 class RequestError(Exception):
     code = grpc.StatusCode.UNKNOWN
 
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
 
 class InvalidArgument(RequestError):
     code = grpc.StatusCode.INVALID_ARGUMENT
@@ -30,3 +35,19 @@ class FailedPrecondition(RequestError):
 
 class PermissionDenied(RequestError):
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unavailable(RequestError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Aborted(RequestError):
+    code = grpc.StatusCode.ABORTED
+
+
+class DeadlineExceeded(RequestError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Internal(RequestError):
+    code = grpc.StatusCode.INTERNAL

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli_config import parse_with_config_file
+from common.transports import TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class DecodeNodeConfig:
     # Fraction of the pool PrepareReceive leaves free for running decodes to grow into.
     admission_watermark: float = 0.05
     log_level: str = "info"
+    transport: str = "nixl"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_pages < 1:
@@ -51,13 +53,15 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    help="token budget of one engine step; longer prefills are chunked (default %(default)s)")
     p.add_argument("--admission-watermark", type=float, default=d.admission_watermark,
                    help="fraction of pages PrepareReceive keeps free for running decodes (default %(default)s)")
+    p.add_argument("--transport", default=d.transport, choices=TRANSPORTS,
+                   help="how KV arrives from prefill nodes: NIXL's UCX backend or plain TCP (default %(default)s)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     a = parse_with_config_file(p, argv)
     try:
         return DecodeNodeConfig(
             host=a.host, port=a.port, metrics_port=a.metrics_port, model=a.model, page_size=a.page_size,
             kv_pages=a.kv_pages, lease_seconds=a.lease_seconds, max_batch_tokens=a.max_batch_tokens,
-            admission_watermark=a.admission_watermark, log_level=a.log_level,
+            admission_watermark=a.admission_watermark, log_level=a.log_level, transport=a.transport,
         )
     except ValueError as exc:
         p.error(str(exc))

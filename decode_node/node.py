@@ -10,16 +10,20 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from common.engine import Engine, Sequence
+from common.fingerprint import fingerprint_of, mismatch
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from common.kv_metadata import encode_segments
+from common.kv_metadata import decode_segments, encode_segments
 from common.model import LlamaModel
 from common.page_allocator import OutOfPages
 from common.sampling import SamplingParams
 from common.scheduler import RequestHandle, Scheduler
 from common.tokenizer import Tokenizer
+from common.transports.tcp_transport import WriteGrant
 from decode_node.config import DecodeNodeConfig
+from decode_node.kv_endpoint import open_endpoint
 from decode_node.metrics import DecodeMetrics
 from decode_node.reservations import Reservation, ReservationTable
+from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class DecodeNode:
         self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens)
         self.reservations = ReservationTable(self.engine, on_expire=lambda r: self.metrics.lease_expiries.inc())
         self.metrics = DecodeMetrics(self.engine, self.reservations)
+        self.kv_endpoint = open_endpoint(config.transport, self.engine.pool, self.authorize_write, config.host,
+                                         name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
         self.scheduler.start()
         self.reservations.start()
 
@@ -52,6 +58,7 @@ class DecodeNode:
         return self.engine.model.config.vocab_size
 
     def shutdown(self) -> None:
+        self.kv_endpoint.close()
         self.reservations.stop()
         self.scheduler.stop()
         with self.engine.lock:
@@ -105,12 +112,13 @@ class DecodeNode:
                 raise ResourceExhausted(f"the KV pool cannot hold this request now ({exc}); retry later or "
                                         "send a shorter prompt") from None
             slots = self.engine.pool.slots_for(seq.pages, matched, resolved).tolist() if resolved > matched else []
+            metadata = encode_segments(slots)
             deadline = time.time() + self.config.lease_seconds
-            reservation = Reservation(request_id, seq, matched, resolved, secrets.randbits(63), deadline,
-                                      complete=matched >= resolved)
+            reservation = Reservation(request_id, seq, matched, resolved, decode_segments(metadata),
+                                      secrets.randbits(63), deadline, complete=matched >= resolved)
             self.reservations.add(reservation)
         self.metrics.prefix_hit_tokens.inc(matched)
-        return PreparedReceive(n, matched, resolved, encode_segments(slots), deadline, reservation.nonce)
+        return PreparedReceive(n, matched, resolved, metadata, deadline, reservation.nonce)
 
     def _admit(self, seq: Sequence, end: int) -> None:
         """Refuse a reservation that would eat into the pages kept for running decodes."""
@@ -120,14 +128,46 @@ class DecodeNode:
         if needed > available - keep:
             raise ResourceExhausted(f"needs {needed} pages, {available} available, {keep} kept for running decodes")
 
+    def _reservation_for_writer(self, request_id: str, nonce: int) -> Reservation:
+        """Called with the lock held."""
+        r = self.reservations.get(request_id)
+        if r is None:
+            raise NotFound(f"no reservation {request_id!r}: it was never made, expired or was aborted")
+        if nonce != r.nonce:
+            raise PermissionDenied(f"transfer_nonce does not match the one issued for {request_id!r}")
+        return r
+
     def complete_transfer(self, request_id: str, nonce: int) -> None:
         with self.engine.lock:
-            r = self.reservations.get(request_id)
-            if r is None:
-                raise NotFound(f"no reservation {request_id!r}: it was never made, expired or was aborted")
-            if nonce != r.nonce:
-                raise PermissionDenied(f"transfer_nonce does not match the one issued for {request_id!r}")
-            r.complete = True
+            self._reservation_for_writer(request_id, nonce).complete = True
+
+    def authorize_write(self, request_id: str, nonce: int) -> WriteGrant:
+        """Let a transport write a reservation's slots; its pages stay pinned until `unpin`, so
+        an expiry or abort during the write cannot recycle them under the writer."""
+        with self.engine.lock:
+            r = self._reservation_for_writer(request_id, nonce)
+            if r.complete:
+                raise FailedPrecondition(f"the transfer for {request_id!r} already completed")
+            pages = list(r.seq.pages)
+            self.engine.allocator.incref(pages)
+
+        def unpin() -> None:
+            with self.engine.lock:
+                self.engine.allocator.decref(pages)
+
+        return WriteGrant(r.segments, unpin)
+
+    def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str) -> pb.TransportInfo:
+        ours = fingerprint_of(self.engine.model, self.engine.pool)
+        if (why := mismatch(ours, theirs)) is not None:
+            raise FailedPrecondition(f"{why}; run both nodes with the same model, dtype and --page-size")
+        if transport != self.kv_endpoint.transport:
+            raise FailedPrecondition(f"this decode node receives KV over {self.kv_endpoint.transport!r}, "
+                                     f"not {transport!r}: start both nodes with the same --transport")
+        info = self.kv_endpoint.info()
+        info.fingerprint.CopyFrom(ours)
+        info.num_slots = self.engine.pool.num_slots
+        return info
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
         self._check_request_id(request_id)

@@ -23,6 +23,7 @@ class Reservation:
     seq: Sequence
     prefix_matched: int
     end: int  # positions [prefix_matched, end) arrive from the writer
+    segments: list[tuple[int, int]]  # their destination slots, as (start, length) runs
     nonce: int
     deadline: float  # time.time() seconds
     complete: bool  # the writer reported the transfer finished (or nothing had to be sent)

@@ -40,6 +40,12 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
             lease_deadline_unix=p.lease_deadline_unix, transfer_nonce=p.transfer_nonce,
         )
 
+    def GetTransportInfo(self, request: pb.GetTransportInfoRequest, context) -> pb.TransportInfo:
+        try:
+            return self.node.transport_info(request.fingerprint, request.transport)
+        except RequestError as exc:
+            self._fail(context, "GetTransportInfo", exc)
+
     def CompleteTransfer(self, request: pb.CompleteTransferRequest, context) -> pb.CompleteTransferResponse:
         try:
             self.node.complete_transfer(request.request_id, request.transfer_nonce)

@@ -83,3 +83,14 @@ def decode_node(tmp_dir: Path, *args: str):
         yield d
     finally:
         d.stop()
+
+
+@contextmanager
+def prefill_node(tmp_dir: Path, *args: str):
+    d = Daemon("prefill_node", list(args), tmp_dir / f"prefill_node_{free_port()}.log")
+    try:
+        d.wait_healthy()
+        d.stub = duet_pb2_grpc.PrefillNodeStub(d.channel)
+        yield d
+    finally:
+        d.stop()

@@ -129,3 +129,81 @@ class CompleteTransferRequest(_message.Message):
 class CompleteTransferResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CompatibilityFingerprint(_message.Message):
+    __slots__ = ("model_hash", "dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "layout_version")
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_hash: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    layout_version: int
+    def __init__(self, model_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., layout_version: _Optional[int] = ...) -> None: ...
+
+class GetTransportInfoRequest(_message.Message):
+    __slots__ = ("fingerprint", "transport")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: CompatibilityFingerprint
+    transport: str
+    def __init__(self, fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class TransportInfo(_message.Message):
+    __slots__ = ("transport", "fingerprint", "num_slots", "tcp_address", "nixl_agent_name", "nixl_agent_metadata", "pool_base_address", "pool_size_bytes")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    POOL_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POOL_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    fingerprint: CompatibilityFingerprint
+    num_slots: int
+    tcp_address: str
+    nixl_agent_name: str
+    nixl_agent_metadata: bytes
+    pool_base_address: int
+    pool_size_bytes: int
+    def __init__(self, transport: _Optional[str] = ..., fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., tcp_address: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., pool_base_address: _Optional[int] = ..., pool_size_bytes: _Optional[int] = ...) -> None: ...
+
+class RemoteSendRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "decode_address", "transfer_nonce")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
+    KV_APPEND_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_window_begin: int
+    kv_window_end: int
+    kv_append_metadata: _containers.RepeatedScalarFieldContainer[int]
+    decode_address: str
+    transfer_nonce: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_window_begin: _Optional[int] = ..., kv_window_end: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., decode_address: _Optional[str] = ..., transfer_nonce: _Optional[int] = ...) -> None: ...
+
+class RemoteSendResponse(_message.Message):
+    __slots__ = ("tokens_sent", "tokens_computed", "bytes_sent", "prefill_seconds", "transfer_seconds")
+    TOKENS_SENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokens_sent: int
+    tokens_computed: int
+    bytes_sent: int
+    prefill_seconds: float
+    transfer_seconds: float
+    def __init__(self, tokens_sent: _Optional[int] = ..., tokens_computed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...

@@ -34,6 +34,11 @@ class DecodeNodeStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.GetTransportInfo = channel.unary_unary(
+                '/duet.v1.DecodeNode/GetTransportInfo',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTransportInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.TransportInfo.FromString,
+                _registered_method=True)
         self.PrepareReceive = channel.unary_unary(
                 '/duet.v1.DecodeNode/PrepareReceive',
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveRequest.SerializeToString,
@@ -63,6 +68,13 @@ class DecodeNodeStub:
 
 class DecodeNodeServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def GetTransportInfo(self, request, context):
+        """Transport handshake: the data-plane endpoint of this node's KV pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def PrepareReceive(self, request, context):
         """Reserve KV slots for a prompt's window and describe them.
@@ -102,6 +114,11 @@ class DecodeNodeServicer:
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'GetTransportInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransportInfo,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTransportInfoRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.TransportInfo.SerializeToString,
+            ),
             'PrepareReceive': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareReceive,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveRequest.FromString,
@@ -137,6 +154,33 @@ def add_DecodeNodeServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeNode:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def GetTransportInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeNode/GetTransportInfo',
+            protos_dot_duet_dot_v1_dot_duet__pb2.GetTransportInfoRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.TransportInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def PrepareReceive(request,
@@ -263,6 +307,80 @@ class DecodeNode:
             '/duet.v1.DecodeNode/Abort',
             protos_dot_duet_dot_v1_dot_duet__pb2.AbortRequest.SerializeToString,
             protos_dot_duet_dot_v1_dot_duet__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PrefillNodeStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RemoteSend = channel.unary_unary(
+                '/duet.v1.PrefillNode/RemoteSend',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.FromString,
+                _registered_method=True)
+
+
+class PrefillNodeServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def RemoteSend(self, request, context):
+        """Prefill token_ids[0:end) and write K/V of [begin, end) into the decode node's reserved slots;
+        returns once the decode node has confirmed the transfer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillNodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RemoteSend': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoteSend,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'duet.v1.PrefillNode', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('duet.v1.PrefillNode', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillNode:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def RemoteSend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.PrefillNode/RemoteSend',
+            protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.FromString,
             options,
             channel_credentials,
             insecure,

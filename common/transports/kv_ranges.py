@@ -1,0 +1,55 @@
+"""From slot runs to the byte ranges a transport moves.
+
+A transfer copies, for every layer and for K and V, positions `[begin, end)` of a sequence from
+the sender's slots to the receiver's reserved slots. Both sides describe their slots as runs of
+consecutive slots; a *piece* is a maximal run that is consecutive on both sides, so it is one
+contiguous byte range on each side for every (layer, K|V).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.kv_metadata import encode_segments
+from common.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class Piece:
+    src_slot: int
+    dst_slot: int
+    num_slots: int
+
+
+def plan_pieces(src_slots: Sequence[int], dst_segments: Sequence[tuple[int, int]]) -> list[Piece]:
+    """Split the copy of `src_slots` (position order) into `dst_segments` into pieces."""
+    src_runs = _runs(encode_segments(list(src_slots)))
+    pieces: list[Piece] = []
+    si = di = 0
+    s_start, s_left = src_runs[0] if src_runs else (0, 0)
+    d_start, d_left = dst_segments[0] if dst_segments else (0, 0)
+    while si < len(src_runs) and di < len(dst_segments):
+        n = min(s_left, d_left)
+        pieces.append(Piece(s_start, d_start, n))
+        s_start, s_left, d_start, d_left = s_start + n, s_left - n, d_start + n, d_left - n
+        if s_left == 0 and (si := si + 1) < len(src_runs):
+            s_start, s_left = src_runs[si]
+        if d_left == 0 and (di := di + 1) < len(dst_segments):
+            d_start, d_left = dst_segments[di]
+    return pieces
+
+
+def _runs(metadata: list[int]) -> list[tuple[int, int]]:
+    return [(metadata[1 + 2 * i], metadata[2 + 2 * i]) for i in range(metadata[0])]
+
+
+def byte_offset(pool_shape_slots: int, slot_bytes: int, layer: int, kv: int, slot: int) -> int:
+    """Offset of a slot of one (layer, K|V) from the start of a pool tensor."""
+    return ((layer * 2 + kv) * pool_shape_slots + slot) * slot_bytes
+
+
+def layer_byte_ranges(pool: KVPool, layer: int, slots_and_counts: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Absolute (address, nbytes) of the given slot runs of one layer, K runs then V runs."""
+    base, sb = pool.data.data_ptr(), pool.slot_bytes()
+    return [(base + byte_offset(pool.num_slots, sb, layer, kv, start), n * sb)
+            for kv in (0, 1) for start, n in slots_and_counts]

@@ -1,0 +1,213 @@
+"""KV over plain TCP, for machines where NIXL/UCX cannot load.
+
+One connection per transfer. The sender streams frames; the receiver validates each write
+against the reservation it was told about and `recv_into`s the bytes straight into the pool
+slice they belong to (no staging copy). Wire format (little-endian):
+
+    BEGIN  b"DKV1" | u16 id_len | u64 nonce | request_id
+    WRITE  u8 1 | u16 layer | u8 kv | u64 dst_slot | u32 num_slots | num_slots*slot_bytes bytes
+    END    u8 2
+    reply  u8 gRPC status code (0 ok) | u32 msg_len | msg   (sent once, after END or on error)
+
+While a connection writes into a reservation, the receiver holds an extra reference on its
+pages (`pin`), so a lease that expires mid-transfer cannot hand those pages to another request
+before the writer is done.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from common.errors import RequestError
+from common.kv_pool import KVPool
+from common.transports.kv_ranges import Piece
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"DKV1"
+_BEGIN = struct.Struct("<4sHQ")
+_WRITE = struct.Struct("<HBQI")
+_REPLY = struct.Struct("<BI")
+_OP_WRITE, _OP_END = 1, 2
+MAX_REQUEST_ID_BYTES = 1024
+
+
+class TransferError(Exception):
+    """The KV did not (provably) reach the receiver; `code` is the gRPC status to report."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class WriteGrant:
+    """What the receiver may write for one request: the reservation's destination segments,
+    and a callback that drops the pin taken on its pages."""
+
+    segments: list[tuple[int, int]]
+    unpin: Callable[[], None]
+
+
+# authorize(request_id, nonce) -> WriteGrant, or raises RequestError (its status reaches the sender).
+Authorizer = Callable[[str, int], WriteGrant]
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    while buf.nbytes:
+        n = sock.recv_into(buf)
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        buf = buf[n:]
+
+
+def _recv_struct(sock: socket.socket, st: struct.Struct) -> tuple:
+    raw = bytearray(st.size)
+    _recv_exact(sock, memoryview(raw))
+    return st.unpack(raw)
+
+
+def _writable_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+class TcpKvReceiver:
+    """Decode side: accepts transfers into `pool` for reservations `authorize` vouches for."""
+
+    def __init__(self, pool: KVPool, authorize: Authorizer, host: str = "127.0.0.1", port: int = 0,
+                 max_connections: int = 64) -> None:
+        self.pool = pool
+        self._authorize = authorize
+        self._listener = socket.create_server((host, port), backlog=max_connections)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="tcp-kv-accept", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                _reply(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, "receiver busy: too many concurrent transfers")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-kv-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        grant = None
+        try:
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                magic, id_len, nonce = _recv_struct(conn, _BEGIN)
+                if magic != _MAGIC or id_len > MAX_REQUEST_ID_BYTES:
+                    raise ValueError("not a duet KV transfer")
+                request_id = bytearray(id_len)
+                _recv_exact(conn, memoryview(request_id))
+                try:
+                    grant = self._authorize(request_id.decode(), nonce)
+                except RequestError as exc:
+                    _reply(conn, exc.code, str(exc))
+                    return
+                self._receive_writes(conn, grant.segments)
+                _reply(conn, grpc.StatusCode.OK, "")
+        except Exception as exc:  # a broken sender must not take the receiver down
+            log.warning("KV transfer failed", extra={"fields": {"error": str(exc)}})
+        finally:
+            if grant is not None:
+                grant.unpin()
+            self._slots.release()
+
+    def _receive_writes(self, conn: socket.socket, segments: list[tuple[int, int]]) -> None:
+        pool = self.pool
+        while True:
+            (op,) = _recv_struct(conn, struct.Struct("<B"))
+            if op == _OP_END:
+                return
+            if op != _OP_WRITE:
+                raise ValueError(f"unknown frame type {op}")
+            layer, kv, slot, n = _recv_struct(conn, _WRITE)
+            if not (layer < pool.num_layers and kv < 2 and any(s <= slot and slot + n <= s + c for s, c in segments)):
+                _reply(conn, grpc.StatusCode.PERMISSION_DENIED,
+                       f"write outside the reservation: layer {layer} kv {kv} slots [{slot}, {slot + n})")
+                raise ValueError("write outside the reservation")
+            _recv_exact(conn, _writable_bytes(pool.data[layer, kv, slot : slot + n]))
+
+
+def _reply(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    body = message.encode()
+    try:
+        conn.sendall(_REPLY.pack(code.value[0], len(body)) + body)
+    except OSError:
+        pass
+
+
+class TcpKvSession:
+    """Prefill side: one transfer. `post_layer` may be called from the forward thread as each
+    layer finishes; a sender thread ships the frames so compute and transfer overlap."""
+
+    def __init__(self, address: str, pool: KVPool, request_id: str, nonce: int, timeout_s: float = 30.0) -> None:
+        host, port = address.rsplit(":", 1)
+        self._pool = pool
+        try:
+            self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        except OSError as exc:
+            raise TransferError(f"cannot reach the decode node's KV receiver at {address}: {exc}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rid = request_id.encode()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._queue.put(_BEGIN.pack(_MAGIC, len(rid), nonce) + rid)
+        self._thread = threading.Thread(target=self._send_loop, name="tcp-kv-send", daemon=True)
+        self._thread.start()
+
+    def post_layer(self, layer: int, pieces: list[Piece]) -> None:
+        for kv in (0, 1):
+            for p in pieces:
+                header = struct.pack("<B", _OP_WRITE) + _WRITE.pack(layer, kv, p.dst_slot, p.num_slots)
+                self._queue.put(header)
+                self._queue.put(self._pool.data[layer, kv, p.src_slot : p.src_slot + p.num_slots])
+
+    def finish(self) -> None:
+        """Send END and wait for the receiver's verdict; raises TransferError."""
+        self._queue.put(struct.pack("<B", _OP_END))
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            status, length = _recv_struct(self._sock, _REPLY)
+            message = bytearray(length)
+            _recv_exact(self._sock, memoryview(message))
+        except (OSError, ConnectionError) as exc:
+            raise TransferError(f"the KV receiver did not confirm the transfer: {self._error or exc}") from None
+        finally:
+            self._sock.close()
+        if status != grpc.StatusCode.OK.value[0]:
+            code = next((c for c in grpc.StatusCode if c.value[0] == status), grpc.StatusCode.UNKNOWN)
+            raise TransferError(f"the decode node refused the transfer: {message.decode()}", code)
+
+    def cancel(self) -> None:
+        self._queue.put(None)
+        self._sock.close()
+
+    def _send_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                self._sock.sendall(item if isinstance(item, bytes) else _writable_bytes(item))
+            except OSError as exc:
+                self._error = exc  # keep draining; finish() reports it (after reading any reply)

@@ -1,0 +1,41 @@
+"""The decode node's side of the KV data plane: what it publishes in the transport handshake
+and what receives the bytes."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from common.kv_pool import KVPool
+from common.transports import TRANSPORTS
+from common.transports.tcp_transport import Authorizer, TcpKvReceiver
+from protos.duet.v1 import duet_pb2 as pb
+
+
+class KvEndpoint(Protocol):
+    transport: str
+
+    def info(self) -> pb.TransportInfo: ...
+
+    def close(self) -> None: ...
+
+
+class TcpEndpoint:
+    transport = "tcp"
+
+    def __init__(self, pool: KVPool, authorize: Authorizer, host: str) -> None:
+        self._receiver = TcpKvReceiver(pool, authorize, host=host)
+
+    def info(self) -> pb.TransportInfo:
+        return pb.TransportInfo(transport=self.transport, tcp_address=self._receiver.address)
+
+    def close(self) -> None:
+        self._receiver.close()
+
+
+def open_endpoint(transport: str, pool: KVPool, authorize: Authorizer, host: str, name: str) -> KvEndpoint:
+    if transport == "tcp":
+        return TcpEndpoint(pool, authorize, host)
+    if transport == "nixl":
+        from decode_node.nixl_endpoint import NixlEndpoint
+
+        return NixlEndpoint(pool, name)
+    raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")

@@ -1,0 +1,1 @@
+"""The prefill node daemon: `python -m prefill_node --help`."""

@@ -1,0 +1,74 @@
+"""Decode nodes this prefill node has talked to: gRPC stub plus the transport handshake,
+cached per address and dropped when the peer fails so a restarted peer is re-handshaken."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from common.daemon import MAX_MESSAGE_BYTES
+from common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from prefill_node.kv_push import KvPusher
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class DecodePeer:
+    address: str
+    channel: grpc.Channel
+    stub: duet_pb2_grpc.DecodeNodeStub
+    info: pb.TransportInfo
+
+
+class DecodePeers:
+    def __init__(self, fingerprint: pb.CompatibilityFingerprint, pusher: KvPusher) -> None:
+        self._fingerprint = fingerprint
+        self._pusher = pusher
+        self._peers: dict[str, DecodePeer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> DecodePeer:
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = self._handshake(address)
+            return peer
+
+    def drop(self, address: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(address, None)
+            if peer is not None:
+                log.info("dropping decode peer", extra={"fields": {"decode_address": address}})
+                self._pusher.disconnect(address)
+                peer.channel.close()
+
+    def close(self) -> None:
+        for address in list(self._peers):
+            self.drop(address)
+
+    def _handshake(self, address: str) -> DecodePeer:
+        if not address or ":" not in address:
+            raise InvalidArgument(f"decode_address {address!r} must be host:port")
+        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        stub = duet_pb2_grpc.DecodeNodeStub(channel)
+        request = pb.GetTransportInfoRequest(fingerprint=self._fingerprint, transport=self._pusher.transport)
+        try:
+            info = stub.GetTransportInfo(request, timeout=HANDSHAKE_TIMEOUT_S)
+            self._pusher.connect(address, info)
+        except grpc.RpcError as exc:
+            channel.close()
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(f"decode node {address}: {exc.details()}") from None
+            raise Unavailable(f"decode node {address} is unreachable: {exc.details()}") from None
+        except Exception:
+            channel.close()
+            raise
+        log.info("handshake done", extra={"fields": {"decode_address": address, "transport": info.transport}})
+        return DecodePeer(address, channel, stub, info)

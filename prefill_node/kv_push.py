@@ -1,0 +1,56 @@
+"""The prefill node's side of the KV data plane: connecting to a decode node's endpoint and
+opening one transfer session per RemoteSend."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from common.kv_pool import KVPool
+from common.transports.tcp_transport import TcpKvSession
+from prefill_node.prefill_scheduler import TransferSession
+from protos.duet.v1 import duet_pb2 as pb
+
+
+class KvPusher(Protocol):
+    transport: str
+
+    def connect(self, address: str, info: pb.TransportInfo) -> None: ...
+
+    def disconnect(self, address: str) -> None: ...
+
+    def open(self, address: str, request_id: str, nonce: int) -> TransferSession: ...
+
+    def close(self) -> None: ...
+
+
+class TcpPusher:
+    transport = "tcp"
+
+    def __init__(self, pool: KVPool, timeout_s: float) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+        self._receivers: dict[str, str] = {}  # decode gRPC address -> its KV receiver address
+
+    def connect(self, address: str, info: pb.TransportInfo) -> None:
+        host, port = info.tcp_address.rsplit(":", 1)
+        if host in ("0.0.0.0", "::", ""):  # a wildcard listener: reach it where we reached gRPC
+            host = address.rsplit(":", 1)[0]
+        self._receivers[address] = f"{host}:{port}"
+
+    def disconnect(self, address: str) -> None:
+        self._receivers.pop(address, None)
+
+    def open(self, address: str, request_id: str, nonce: int) -> TransferSession:
+        return TcpKvSession(self._receivers[address], self._pool, request_id, nonce, self._timeout_s)
+
+    def close(self) -> None:
+        self._receivers.clear()
+
+
+def open_pusher(transport: str, pool: KVPool, name: str, timeout_s: float) -> KvPusher:
+    if transport == "tcp":
+        return TcpPusher(pool, timeout_s)
+    if transport == "nixl":
+        from prefill_node.nixl_push import NixlPusher
+
+        return NixlPusher(pool, name, timeout_s)
+    raise ValueError(f"unknown transport {transport!r}")

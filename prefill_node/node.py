@@ -1,0 +1,126 @@
+"""The prefill node's request logic, independent of gRPC."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+
+from common.engine import Engine
+from common.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
+from common.fingerprint import fingerprint_of
+from common.kv_metadata import MetadataError, expand_slots, validate_metadata
+from common.model import LlamaModel
+from common.transports.tcp_transport import TransferError
+from prefill_node.config import PrefillNodeConfig
+from prefill_node.decode_peers import DecodePeers
+from prefill_node.kv_push import open_pusher
+from prefill_node.metrics import PrefillMetrics
+from prefill_node.prefill_scheduler import PrefillJob, PrefillScheduler
+from protos.duet.v1 import duet_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_LENGTH = 256
+
+
+class PrefillNode:
+    def __init__(self, config: PrefillNodeConfig, model: LlamaModel) -> None:
+        self.config = config
+        self.engine = Engine(model, config.kv_pages, config.page_size)
+        self.fingerprint = fingerprint_of(model, self.engine.pool)
+        self.pusher = open_pusher(config.transport, self.engine.pool,
+                                  name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}",
+                                  timeout_s=config.transfer_timeout_seconds)
+        self.peers = DecodePeers(self.fingerprint, self.pusher)
+        self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens)
+        self.metrics = PrefillMetrics(self.engine, self.scheduler)
+        self.scheduler.start()
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        self.peers.close()
+        self.pusher.close()
+
+    def _validate(self, req: pb.RemoteSendRequest) -> None:
+        if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_LENGTH:
+            raise InvalidArgument(f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} characters")
+        n, begin, end = len(req.token_ids), req.kv_window_begin, req.kv_window_end
+        if not 0 <= begin < end < n:
+            raise InvalidArgument(f"need 0 <= kv_window_begin < kv_window_end < len(token_ids); got "
+                                  f"begin={begin}, end={end}, {n} tokens")
+        cfg = self.engine.model.config
+        bad = next((t for t in req.token_ids if not 0 <= t < cfg.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        if n >= cfg.max_position_embeddings:
+            raise InvalidArgument(f"the prompt has {n} tokens; the model's context holds {cfg.max_position_embeddings}")
+
+    def remote_send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
+        """Prefill `token_ids[:end]` and push K/V of `[begin, end)` into the decode node's slots."""
+        self._validate(req)
+        begin, end = req.kv_window_begin, req.kv_window_end
+        metadata = list(req.kv_append_metadata)
+        try:  # shape first, before contacting anyone
+            validate_metadata(metadata, end - begin, num_slots=2**62)
+        except MetadataError as exc:
+            raise InvalidArgument(f"kv_append_metadata: {exc}") from None
+        timeout_s = min(timeout_s or self.config.transfer_timeout_seconds, self.config.transfer_timeout_seconds)
+        deadline = time.monotonic() + timeout_s
+        peer = self.peers.get(req.decode_address)
+        try:
+            validate_metadata(metadata, end - begin, num_slots=peer.info.num_slots)
+        except MetadataError as exc:
+            raise InvalidArgument(f"kv_append_metadata does not fit decode node {req.decode_address}: {exc}") from None
+        started = time.perf_counter()
+        try:
+            session = self.pusher.open(req.decode_address, req.request_id, req.transfer_nonce)
+        except TransferError as exc:
+            self.peers.drop(req.decode_address)
+            raise Unavailable(str(exc)) from None
+        with self.engine.lock:
+            seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
+        job = PrefillJob(seq, begin, expand_slots(metadata), session)
+        cached = seq.num_computed
+        self.scheduler.submit(job)
+        ok = False
+        try:
+            if not job.prefilled.wait(max(0.0, deadline - time.monotonic())):
+                raise DeadlineExceeded(f"prefill of {end} tokens did not finish within {timeout_s:.1f}s")
+            if job.error is not None:
+                raise job.error
+            prefilled = time.perf_counter()
+            self._finish_transfer(req, peer, session, deadline)
+            ok = True
+        finally:
+            if not ok:
+                session.cancel()
+            self.scheduler.release(job, cache=ok)
+        done = time.perf_counter()
+        self.metrics.observe(end - cached, prefilled - started, done - started)
+        pool = self.engine.pool
+        return pb.RemoteSendResponse(
+            tokens_sent=end - begin, tokens_computed=end - cached,
+            bytes_sent=(end - begin) * 2 * pool.num_layers * pool.slot_bytes(),
+            prefill_seconds=prefilled - started, transfer_seconds=done - started,
+        )
+
+    def _finish_transfer(self, req: pb.RemoteSendRequest, peer, session, deadline: float) -> None:
+        """Wait for every byte to land, then tell the decode node (request id + nonce)."""
+        try:
+            session.finish()
+        except TransferError as exc:
+            if exc.code == grpc.StatusCode.UNAVAILABLE:
+                self.peers.drop(req.decode_address)
+            raise RequestError(str(exc), exc.code) from None
+        try:
+            peer.stub.CompleteTransfer(
+                pb.CompleteTransferRequest(request_id=req.request_id, transfer_nonce=req.transfer_nonce),
+                timeout=max(0.1, deadline - time.monotonic()),
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.peers.drop(req.decode_address)
+            raise RequestError(f"decode node {req.decode_address}: {exc.details()}", exc.code()) from None
+

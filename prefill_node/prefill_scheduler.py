@@ -1,0 +1,164 @@
+"""Batches concurrent RemoteSends into chunked prefill steps and pushes K/V layer by layer.
+
+Each step runs one forward over chunks of several jobs within the token budget. As soon as a
+layer of that forward has written its K/V into this node's pool, the part of every job's
+window `[begin, end)` computed in this step is posted to its transfer session, so the bytes
+travel while later layers compute. Positions this node already held in its prefix cache are
+posted before the first step, from the cached pages.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.engine import Engine, Sequence
+from common.errors import Internal, RequestError, ResourceExhausted, Unavailable
+from common.kv_metadata import encode_segments
+from common.page_allocator import OutOfPages
+from common.transports.kv_ranges import Piece, plan_pieces
+
+log = logging.getLogger(__name__)
+
+
+class TransferSession(Protocol):
+    def post_layer(self, layer: int, pieces: list[Piece]) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+@dataclass
+class PrefillJob:
+    seq: Sequence  # this node's sequence for token_ids[:end]
+    begin: int
+    dst_slots: list[int]  # destination slot of each position in [begin, end)
+    session: TransferSession
+    prefilled: threading.Event = field(default_factory=threading.Event)
+    error: RequestError | None = None
+    cancelled: bool = False
+
+    @property
+    def end(self) -> int:
+        return len(self.seq.token_ids)
+
+    def pieces(self, engine: Engine, start: int, stop: int) -> list[Piece]:
+        """Pieces moving positions `[start, stop) ∩ [begin, end)`."""
+        start, stop = max(start, self.begin), min(stop, self.end)
+        if start >= stop:
+            return []
+        src = engine.pool.slots_for(self.seq.pages, start, stop).tolist()
+        dst = encode_segments(self.dst_slots[start - self.begin : stop - self.begin])
+        return plan_pieces(src, [(dst[1 + 2 * i], dst[2 + 2 * i]) for i in range(dst[0])])
+
+
+class PrefillScheduler:
+    def __init__(self, engine: Engine, max_batch_tokens: int) -> None:
+        self.engine = engine
+        self.max_batch_tokens = max_batch_tokens
+        self._wakeup = threading.Condition(engine.lock)
+        self._jobs: list[PrefillJob] = []  # admitted (pages reserved), in arrival order
+        self._waiting: list[PrefillJob] = []  # waiting for pages
+        self._in_flight: list[PrefillJob] = []  # in the forward running now
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify()
+        self._thread.join()
+        with self.engine.lock:
+            for job in self._jobs + self._waiting:
+                job.error = Unavailable("the prefill node is shutting down")
+                job.prefilled.set()
+            self._jobs.clear()
+            self._waiting.clear()
+
+    def submit(self, job: PrefillJob) -> None:
+        with self._wakeup:
+            self._waiting.append(job)
+            self._wakeup.notify()
+
+    def release(self, job: PrefillJob, cache: bool) -> None:
+        """Drop the job and its pages. A job inside the running forward is released when that
+        forward ends, so its pages are never handed out while the model still writes them."""
+        with self._wakeup:
+            for queue in (self._jobs, self._waiting):
+                if job in queue:
+                    queue.remove(job)
+            if job in self._in_flight:
+                job.cancelled = True
+            else:
+                self.engine.release(job.seq, cache=cache)
+
+    def pending_tokens(self) -> int:
+        with self.engine.lock:
+            return sum(j.seq.num_pending for j in self._jobs + self._waiting)
+
+    def _admit(self) -> None:
+        """Reserve pages for waiting jobs in order (called with the lock held)."""
+        while self._waiting:
+            job = self._waiting[0]
+            try:
+                self.engine.reserve(job.seq, job.end)
+            except OutOfPages:
+                if not self._jobs:  # nothing will free pages: it can never fit
+                    self._waiting.pop(0)
+                    job.error = ResourceExhausted("the prefill node's KV pool cannot hold this prompt")
+                    job.prefilled.set()
+                    continue
+                return
+            self._waiting.pop(0)
+            self._jobs.append(job)
+            # Positions served by this node's prefix cache travel now, from the cached pages.
+            cached = job.pieces(self.engine, 0, job.seq.num_computed)
+            for layer in range(self.engine.pool.num_layers):
+                job.session.post_layer(layer, cached)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._jobs or self._waiting) and not self._stopped:
+                    self._wakeup.wait()
+                if self._stopped:
+                    return
+                self._admit()
+                work, budget = [], self.max_batch_tokens
+                for job in self._jobs:
+                    n = min(job.seq.num_pending, budget)
+                    if n == 0:
+                        break
+                    work.append((job, n, job.pieces(self.engine, job.seq.num_computed, job.seq.num_computed + n)))
+                    budget -= n
+                self._in_flight = [job for job, _, _ in work]
+            if not work:
+                time.sleep(0.001)
+                continue
+
+            def push(layer: int) -> None:
+                for job, _, pieces in work:
+                    if pieces:
+                        job.session.post_layer(layer, pieces)
+
+            try:
+                self.engine.forward([(job.seq, n) for job, n, _ in work], on_layer_done=push)
+            except Exception as exc:
+                log.exception("prefill forward failed")
+                for job, _, _ in work:
+                    job.error = Internal(f"prefill failed: {exc}")
+            with self.engine.lock:
+                self._in_flight = []
+                for job, _, _ in work:
+                    if job.cancelled:
+                        self.engine.release(job.seq, cache=False)
+                    elif job.error or job.seq.num_pending == 0:
+                        if job in self._jobs:
+                            self._jobs.remove(job)
+                        job.prefilled.set()
