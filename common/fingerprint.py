@@ -17,8 +17,9 @@ def fingerprint_of(model: LlamaModel, pool: KVPool) -> pb.CompatibilityFingerpri
     )
 
 
-def mismatch(ours: pb.CompatibilityFingerprint, theirs: pb.CompatibilityFingerprint) -> str | None:
+def mismatch(ours: pb.CompatibilityFingerprint, theirs: pb.CompatibilityFingerprint,
+             our_role: str, their_role: str) -> str | None:
     """A message naming every field that differs, or None when compatible."""
-    diffs = [f"{f}: ours {getattr(ours, f)!r}, theirs {getattr(theirs, f)!r}"
+    diffs = [f"{f}: {our_role} has {getattr(ours, f)!r}, {their_role} has {getattr(theirs, f)!r}"
              for f in _FIELDS if getattr(ours, f) != getattr(theirs, f)]
     return "incompatible KV layout (" + "; ".join(diffs) + ")" if diffs else None

@@ -1,6 +1,7 @@
 """Entry point: `python -m decode_node --host H --port P ...`."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.log_level)
     torch.set_grad_enabled(False)
     daemon = GrpcDaemon(config.host, config.port)  # bind first: a taken port fails fast
+    if not config.advertise_address:  # with --port 0 only the bound port is known
+        config = dataclasses.replace(config, advertise_address=f"{config.host}:{daemon.port}")
     model, tokenizer = load_model_and_tokenizer(config.model)
     node = DecodeNode(config, model, tokenizer)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node), daemon.server)

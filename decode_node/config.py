@@ -23,6 +23,9 @@ class DecodeNodeConfig:
     admission_watermark: float = 0.05
     log_level: str = "info"
     transport: str = "nixl"
+    prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
+    min_remote_prefill_tokens: int = 32
+    advertise_address: str = ""  # how prefill nodes reach this node; default host:port
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_pages < 1:
@@ -55,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    help="fraction of pages PrepareReceive keeps free for running decodes (default %(default)s)")
     p.add_argument("--transport", default=d.transport, choices=TRANSPORTS,
                    help="how KV arrives from prefill nodes: NIXL's UCX backend or plain TCP (default %(default)s)")
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill node for Generate to hand prompts to (repeatable); none = single-node mode")
+    p.add_argument("--min-remote-prefill-tokens", type=int, default=d.min_remote_prefill_tokens,
+                   help="prefill locally when fewer uncached prompt tokens than this (default %(default)s)")
+    p.add_argument("--advertise-address", default="", metavar="HOST:PORT",
+                   help="address prefill nodes use to reach this node (default: --host:--port)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     a = parse_with_config_file(p, argv)
     try:
@@ -62,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
             host=a.host, port=a.port, metrics_port=a.metrics_port, model=a.model, page_size=a.page_size,
             kv_pages=a.kv_pages, lease_seconds=a.lease_seconds, max_batch_tokens=a.max_batch_tokens,
             admission_watermark=a.admission_watermark, log_level=a.log_level, transport=a.transport,
+            prefill=tuple(a.prefill), min_remote_prefill_tokens=a.min_remote_prefill_tokens,
+            advertise_address=a.advertise_address,
         )
     except ValueError as exc:
         p.error(str(exc))

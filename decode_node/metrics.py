@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine import Engine
+from common.pool_metrics import read_locked, register_pool_gauges
 
 if TYPE_CHECKING:
     from decode_node.reservations import ReservationTable
@@ -17,13 +18,9 @@ class DecodeMetrics:
     def __init__(self, engine: Engine, reservations: ReservationTable) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        Gauge("duet_kv_pages_total", "Pages in the KV pool", registry=r).set(engine.allocator.num_pages)
-        Gauge("duet_kv_pages_free", "Pages on the free list", registry=r).set_function(
-            lambda: engine.allocator.num_free)
+        register_pool_gauges(r, engine)
         Gauge("duet_kv_pages_reserved", "Pages held by reservations not yet claimed by StartGeneration",
-              registry=r).set_function(lambda: _locked(engine, reservations.reserved_pages))
-        Gauge("duet_kv_pages_cached", "Pages held by the prefix cache", registry=r).set_function(
-            lambda: _locked(engine, lambda: engine.prefix_cache.num_cached_pages))
+              registry=r).set_function(lambda: read_locked(engine, reservations.reserved_pages))
         self.requests = Counter("duet_requests", "Finished requests by outcome", ["rpc", "outcome"], registry=r)
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first",
@@ -33,7 +30,3 @@ class DecodeMetrics:
         self.lease_expiries = Counter("duet_lease_expiries", "Reservations freed because their lease ran out",
                                       registry=r)
 
-
-def _locked(engine: Engine, read):
-    with engine.lock:
-        return read()

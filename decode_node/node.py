@@ -22,6 +22,7 @@ from common.transports.tcp_transport import WriteGrant
 from decode_node.config import DecodeNodeConfig
 from decode_node.kv_endpoint import open_endpoint
 from decode_node.metrics import DecodeMetrics
+from decode_node.remote_prefill import PrefillPool
 from decode_node.reservations import Reservation, ReservationTable
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -48,6 +49,7 @@ class DecodeNode:
         self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens)
         self.reservations = ReservationTable(self.engine, on_expire=lambda r: self.metrics.lease_expiries.inc())
         self.metrics = DecodeMetrics(self.engine, self.reservations)
+        self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds)
         self.kv_endpoint = open_endpoint(config.transport, self.engine.pool, self.authorize_write, config.host,
                                          name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
         self.scheduler.start()
@@ -159,7 +161,7 @@ class DecodeNode:
 
     def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str) -> pb.TransportInfo:
         ours = fingerprint_of(self.engine.model, self.engine.pool)
-        if (why := mismatch(ours, theirs)) is not None:
+        if (why := mismatch(ours, theirs, "decode node", "prefill node")) is not None:
             raise FailedPrecondition(f"{why}; run both nodes with the same model, dtype and --page-size")
         if transport != self.kv_endpoint.transport:
             raise FailedPrecondition(f"this decode node receives KV over {self.kv_endpoint.transport!r}, "
@@ -185,15 +187,48 @@ class DecodeNode:
             return self.scheduler.submit(request_id, r.seq, params)
 
     def generate(self, request_id: str | None, token_ids: Seq[int], params: SamplingParams) -> RequestHandle:
-        """Single-node generation: prefill locally (reusing the prefix cache), then decode."""
+        """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
+        when no prefill node delivers) prefill locally, reusing the prefix cache either way."""
         request_id = request_id or uuid.uuid4().hex
         self._check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
+        if self.prefill_pool and self._worth_remote(tokens):
+            handle = self._generate_remote(request_id, tokens, params)
+            if handle is not None:
+                return handle
         with self.engine.lock:
             self._check_unused(request_id)
             seq = self.engine.new_sequence(request_id, tokens)
             self.metrics.prefix_hit_tokens.inc(seq.num_computed)
             return self.scheduler.submit(request_id, seq, params)
+
+    def _worth_remote(self, tokens: list[int]) -> bool:
+        with self.engine.lock:
+            pages, matched = self.engine.prefix_cache.match(tokens[:-1])
+            self.engine.allocator.decref(pages)
+        return len(tokens) - 1 - matched >= self.config.min_remote_prefill_tokens
+
+    def _generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams) -> RequestHandle | None:
+        """PrepareReceive, RemoteSend, StartGeneration; None if the KV did not arrive."""
+        try:
+            p = self.prepare_receive(request_id, tokens, -1)
+        except ResourceExhausted:
+            return None  # local prefill queues in the scheduler instead of refusing
+        if p.kv_window_end > p.prefix_matched_length:
+            request = pb.RemoteSendRequest(
+                request_id=request_id, token_ids=tokens, kv_window_begin=p.prefix_matched_length,
+                kv_window_end=p.kv_window_end, kv_append_metadata=p.kv_append_metadata,
+                decode_address=self.config.advertise_address, transfer_nonce=p.transfer_nonce)
+            if self.prefill_pool.push(request, still_wanted=lambda: request_id in self.reservations) is None:
+                with self.engine.lock:
+                    self.reservations.release(request_id)
+                return None
+        try:
+            return self.start_generation(request_id, p.kv_window_end, params)
+        except (NotFound, FailedPrecondition):  # expired or aborted meanwhile
+            with self.engine.lock:
+                self.reservations.release(request_id)
+            return None
 
     def abort(self, request_id: str) -> None:
         with self.engine.lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine import Engine
+from common.pool_metrics import register_pool_gauges
 from prefill_node.prefill_scheduler import PrefillScheduler
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -12,9 +13,7 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 class PrefillMetrics:
     def __init__(self, engine: Engine, scheduler: PrefillScheduler) -> None:
         self.registry = r = CollectorRegistry()
-        Gauge("duet_kv_pages_total", "Pages in this node's KV pool", registry=r).set(engine.allocator.num_pages)
-        Gauge("duet_kv_pages_free", "Pages on the free list", registry=r).set_function(
-            lambda: engine.allocator.num_free)
+        register_pool_gauges(r, engine)
         Gauge("duet_prefill_pending_tokens", "Prompt tokens admitted or queued but not yet computed",
               registry=r).set_function(scheduler.pending_tokens)
         self.requests = Counter("duet_requests", "RemoteSend calls by outcome", ["rpc", "outcome"], registry=r)

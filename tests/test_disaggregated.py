@@ -1,0 +1,158 @@
+"""Both daemons as real processes on loopback: the hand-off gives exactly the single-node output."""
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+
+from protos.duet.v1 import duet_pb2 as pb
+from tests.daemons import decode_node, prefill_node
+from tests.reference import engine_greedy, hf_greedy
+
+TRANSPORTS = ["tcp"]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(100, 40000), k=n)
+
+
+def greedy(n: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def tokens_of(stream) -> tuple[list[int], pb.GenerationChunk]:
+    tokens, last = [], None
+    for chunk in stream:
+        tokens += chunk.token_ids
+        last = chunk
+    return tokens, last
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pair(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"pair_{request.param}")
+    transport = ("--transport", request.param)
+    with prefill_node(tmp, *transport, "--max-batch-tokens", "512") as pn, \
+            decode_node(tmp, *transport, "--prefill", pn.address, "--min-remote-prefill-tokens", "1") as dn:
+        yield dn, pn
+
+
+def three_calls(dn, pn, request_id: str, prompt: list[int], max_tokens: int = 8, end: int = -1):
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=request_id, token_ids=prompt, kv_window_end=end))
+    sent = None
+    if r.kv_window_end > r.prefix_matched_length:
+        sent = pn.stub.RemoteSend(pb.RemoteSendRequest(
+            request_id=request_id, token_ids=prompt, kv_window_begin=r.prefix_matched_length,
+            kv_window_end=r.kv_window_end, kv_append_metadata=r.kv_append_metadata,
+            decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+    tokens, last = tokens_of(dn.stub.StartGeneration(pb.StartGenerationRequest(
+        request_id=request_id, kv_window_begin=r.kv_window_end, sampling=greedy(max_tokens))))
+    return tokens, r, sent, last
+
+
+def no_leak(d) -> bool:
+    m = d.metrics()
+    return m["duet_kv_pages_free"] + m.get("duet_kv_pages_cached", 0) == m["duet_kv_pages_total"] and \
+        m.get("duet_kv_pages_reserved", 0) == 0
+
+
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 100])
+def test_three_call_flow_equals_single_node(pair, model, length):
+    dn, pn = pair
+    prompt = _ids(length, 1000 + length)
+    tokens, r, sent, last = three_calls(dn, pn, f"len{length}", prompt)
+    assert tokens == engine_greedy(model, prompt, 8)
+    if length > 1:
+        assert sent.tokens_sent == length - 1 and r.prefix_matched_length == 0
+    assert last.usage.prompt_tokens == length
+
+
+def test_long_prompt_equals_transformers(pair, model, hf_model):
+    dn, pn = pair
+    prompt = _ids(2100, 7)
+    tokens, _, sent, _ = three_calls(dn, pn, "long", prompt, max_tokens=6)
+    assert sent.tokens_sent == 2099 and sent.bytes_sent > 0
+    assert tokens == hf_greedy(hf_model, prompt, 6)
+
+
+def test_one_call_generate_with_prefill_node(pair, model, tokenizer, hf_model):
+    dn, pn = pair
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}]))
+    before = pn.metrics()["duet_prefill_computed_tokens_total"]
+    tokens, last = tokens_of(dn.stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=greedy(16))))
+    assert tokens == hf_greedy(hf_model, ids, 16)
+    assert pn.metrics()["duet_prefill_computed_tokens_total"] > before  # the prefill node did the work
+
+
+def test_decode_side_prefix_hit_sends_only_the_rest(pair, model):
+    dn, pn = pair
+    base = _ids(70, 8)
+    three_calls(dn, pn, "hit-a", base)
+    prompt = base[:64] + _ids(30, 9)
+    tokens, r, sent, last = three_calls(dn, pn, "hit-b", prompt)
+    assert r.prefix_matched_length == 64 and sent.tokens_sent == len(prompt) - 1 - 64
+    assert tokens == engine_greedy(model, prompt, 8) and last.usage.cached_tokens == 64
+
+
+def test_prefill_side_prefix_cache_is_not_recomputed(pair, model):
+    dn, pn = pair
+    prompt = _ids(90, 10)
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="warm", token_ids=prompt))
+    first = pn.stub.RemoteSend(pb.RemoteSendRequest(
+        request_id="warm", token_ids=prompt, kv_window_begin=0, kv_window_end=r.kv_window_end,
+        kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+    dn.stub.Abort(pb.AbortRequest(request_id="warm"))  # the decode node keeps nothing of it
+    tokens, r, sent, _ = three_calls(dn, pn, "again", prompt)
+    assert first.tokens_computed == 89 and sent.tokens_computed == 89 - 80 and r.prefix_matched_length == 0
+    assert tokens == engine_greedy(model, prompt, 8)
+
+
+def test_bad_requests_leave_both_nodes_clean(pair):
+    dn, pn = pair
+    prompt = _ids(40, 11)
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="bad", token_ids=prompt))
+    good = dict(request_id="bad", token_ids=prompt, kv_window_begin=0, kv_window_end=39,
+                kv_append_metadata=list(r.kv_append_metadata), decode_address=dn.address,
+                transfer_nonce=r.transfer_nonce)
+    cases = [
+        (dict(kv_append_metadata=[1, 0, 38]), grpc.StatusCode.INVALID_ARGUMENT, "cover 38 tokens but 39"),
+        (dict(kv_append_metadata=[2, 0, 39]), grpc.StatusCode.INVALID_ARGUMENT, "2n+1"),
+        (dict(kv_append_metadata=[1, 10**9, 39]), grpc.StatusCode.INVALID_ARGUMENT, "pool"),
+        (dict(kv_window_end=40), grpc.StatusCode.INVALID_ARGUMENT, "kv_window_end"),
+        (dict(kv_window_begin=39), grpc.StatusCode.INVALID_ARGUMENT, "kv_window_begin"),
+        (dict(decode_address="127.0.0.1:1"), grpc.StatusCode.UNAVAILABLE, "unreachable"),
+        (dict(transfer_nonce=r.transfer_nonce ^ 1), grpc.StatusCode.PERMISSION_DENIED, "nonce"),
+        (dict(request_id="unknown"), grpc.StatusCode.NOT_FOUND, "unknown"),
+    ]
+    wrong = []
+    for change, code, fragment in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            pn.stub.RemoteSend(pb.RemoteSendRequest(**{**good, **change}))
+        if info.value.code() != code or fragment not in info.value.details():
+            wrong.append((change, info.value.code(), info.value.details()))
+    assert not wrong
+    # The reservation survived the garbage and still works.
+    pn.stub.RemoteSend(pb.RemoteSendRequest(**good))
+    tokens_of(dn.stub.StartGeneration(pb.StartGenerationRequest(request_id="bad", kv_window_begin=39,
+                                                                sampling=greedy(2))))
+    deadline = time.monotonic() + 10
+    while not (no_leak(dn) and no_leak(pn)):
+        assert time.monotonic() < deadline, (dn.metrics(), pn.metrics())
+        time.sleep(0.1)
+
+
+def test_wrong_fingerprint_is_failed_precondition(pair, tmp_path):
+    dn, _ = pair
+    transport = dn.proc.args[dn.proc.args.index("--transport") + 1]
+    with prefill_node(tmp_path, "--transport", transport, "--page-size", "8") as other:
+        r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="fp", token_ids=_ids(20, 12)))
+        with pytest.raises(grpc.RpcError) as info:
+            other.stub.RemoteSend(pb.RemoteSendRequest(
+                request_id="fp", token_ids=_ids(20, 12), kv_window_begin=0, kv_window_end=19,
+                kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "page_size: decode node has 16, prefill node has 8" in info.value.details()
+        assert no_leak(other)
+        dn.stub.Abort(pb.AbortRequest(request_id="fp"))
