@@ -2,6 +2,7 @@
 and what receives the bytes."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from common.kv_pool import KVPool
@@ -31,11 +32,12 @@ class TcpEndpoint:
         self._receiver.close()
 
 
-def open_endpoint(transport: str, pool: KVPool, authorize: Authorizer, host: str, name: str) -> KvEndpoint:
+def open_endpoint(transport: str, pool: KVPool, authorize: Authorizer, host: str, name: str,
+                  transfers_pending: Callable[[], bool]) -> KvEndpoint:
     if transport == "tcp":
         return TcpEndpoint(pool, authorize, host)
     if transport == "nixl":
         from decode_node.nixl_endpoint import NixlEndpoint
 
-        return NixlEndpoint(pool, name)
+        return NixlEndpoint(pool, name, transfers_pending)
     raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")

@@ -51,7 +51,8 @@ class DecodeNode:
         self.metrics = DecodeMetrics(self.engine, self.reservations)
         self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds)
         self.kv_endpoint = open_endpoint(config.transport, self.engine.pool, self.authorize_write, config.host,
-                                         name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
+                                         name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}",
+                                         transfers_pending=self.reservations.awaiting_transfer)
         self.scheduler.start()
         self.reservations.start()
 

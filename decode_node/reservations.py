@@ -60,6 +60,14 @@ class ReservationTable:
         self.engine.release(r.seq, cache=False)
         return True
 
+    def awaiting_transfer(self) -> bool:
+        """Whether any reservation still waits for its KV. Read without the lock, as a polling
+        hint: a concurrent change may make it wrong for one poll."""
+        try:
+            return any(not r.complete for r in list(self._by_id.values()))
+        except RuntimeError:  # the dict changed size while being copied
+            return True
+
     def reserved_pages(self) -> int:
         return sum(len(r.seq.pages) for r in self._by_id.values())
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import grpc
 
 from common.daemon import MAX_MESSAGE_BYTES
-from common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from common.errors import FailedPrecondition, InvalidArgument, RequestError, Unavailable
+from common.transports import TransferError
 from prefill_node.kv_push import KvPusher
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -67,8 +68,8 @@ class DecodePeers:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(f"decode node {address}: {exc.details()}") from None
             raise Unavailable(f"decode node {address} is unreachable: {exc.details()}") from None
-        except Exception:
+        except TransferError as exc:
             channel.close()
-            raise
+            raise RequestError(f"decode node {address}: {exc}", exc.code) from None
         log.info("handshake done", extra={"fields": {"decode_address": address, "transport": info.transport}})
         return DecodePeer(address, channel, stub, info)

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.duet.v1 import duet_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+# Both daemons on one host: UCX over shared memory (DESIGN.md §3).
+UCX_ENV = {"UCX_TLS": "sm,self"}
 
 
 def free_port() -> int:
@@ -26,7 +28,7 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, module: str, args: list[str], log_path: Path) -> None:
+    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -34,7 +36,7 @@ class Daemon:
                "--metrics-port", str(self.metrics_port), *args]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, **UCX_ENV, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self.channel = grpc.insecure_channel(self.address)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
@@ -75,8 +77,8 @@ class Daemon:
 
 
 @contextmanager
-def decode_node(tmp_dir: Path, *args: str):
-    d = Daemon("decode_node", list(args), tmp_dir / f"decode_node_{free_port()}.log")
+def decode_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None):
+    d = Daemon("decode_node", list(args), tmp_dir / f"decode_node_{free_port()}.log", env)
     try:
         d.wait_healthy()
         d.stub = duet_pb2_grpc.DecodeNodeStub(d.channel)
@@ -86,8 +88,8 @@ def decode_node(tmp_dir: Path, *args: str):
 
 
 @contextmanager
-def prefill_node(tmp_dir: Path, *args: str):
-    d = Daemon("prefill_node", list(args), tmp_dir / f"prefill_node_{free_port()}.log")
+def prefill_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None):
+    d = Daemon("prefill_node", list(args), tmp_dir / f"prefill_node_{free_port()}.log", env)
     try:
         d.wait_healthy()
         d.stub = duet_pb2_grpc.PrefillNodeStub(d.channel)

@@ -11,7 +11,7 @@ from protos.duet.v1 import duet_pb2 as pb
 from tests.daemons import decode_node, prefill_node
 from tests.reference import engine_greedy, hf_greedy
 
-TRANSPORTS = ["tcp"]
+TRANSPORTS = ["nixl", "tcp"]
 
 
 def _ids(n: int, seed: int) -> list[int]:

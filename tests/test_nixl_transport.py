@@ -18,7 +18,7 @@ import torch
 from common.transports.nixl_transport import nixl_available, nixl_unavailable_reason
 
 if not nixl_available():
-    pytest.skip(f"NIXL cannot be imported: {nixl_unavailable_reason()}", allow_module_level=True)
+    pytest.skip(nixl_unavailable_reason() or "NIXL cannot be imported", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(60)
 

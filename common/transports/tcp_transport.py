@@ -28,6 +28,7 @@ import torch
 
 from common.errors import RequestError
 from common.kv_pool import KVPool
+from common.transports import TransferError
 from common.transports.kv_ranges import Piece
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,6 @@ _WRITE = struct.Struct("<HBQI")
 _REPLY = struct.Struct("<BI")
 _OP_WRITE, _OP_END = 1, 2
 MAX_REQUEST_ID_BYTES = 1024
-
-
-class TransferError(Exception):
-    """The KV did not (provably) reach the receiver; `code` is the gRPC status to report."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass

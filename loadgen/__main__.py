@@ -1,0 +1,95 @@
+"""python -m loadgen: benchmark a decode node (or a router) and print / save the results."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from loadgen.config import SLO_METRICS, BenchmarkConfig
+from loadgen.report import format_table, write_json
+from loadgen.runner import run_benchmark
+
+
+def _slo(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition(":")
+    try:
+        if not sep or name not in SLO_METRICS or float(value) <= 0:
+            raise ValueError
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected METRIC:MS with METRIC in {', '.join(SLO_METRICS)}, "
+                                         f"got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse.Namespace]:
+    d = BenchmarkConfig(target="")
+    p = argparse.ArgumentParser(
+        prog="python -m loadgen",
+        description="Send a workload to duet.v1.DecodeNode/Generate, stream every answer, and report "
+        "throughput, TTFT / TPOT / ITL / E2E latency and goodput.",
+    )
+    p.add_argument("--target", required=True, metavar="HOST:PORT", help="a decode node or a router")
+    p.add_argument("--num-requests", type=int, default=d.num_requests, help="(default %(default)s)")
+    p.add_argument("--request-rate", type=float, default=d.request_rate,
+                   help="requests per second, Poisson arrivals; inf = all at once (default %(default)s)")
+    p.add_argument("--burstiness", type=float, default=d.burstiness,
+                   help="gamma shape of the inter-arrival times (mean 1/rate): 1 = Poisson, <1 burstier, "
+                   ">1 more regular (default %(default)s)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
+    p.add_argument("--dataset", default=d.dataset, metavar="random|shared-prefix|PATH",
+                   help="synthetic token-id prompts, shared-prefix groups, or a JSONL {\"prompt\": ...} / "
+                   "ShareGPT JSON file (default %(default)s)")
+    p.add_argument("--input-len", type=int, default=d.input_len,
+                   help="prompt tokens (random) or per-request suffix tokens (shared-prefix) (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens (default %(default)s)")
+    p.add_argument("--range-ratio", type=float, default=d.range_ratio,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (default %(default)s)")
+    p.add_argument("--num-prefix-groups", type=int, default=d.num_prefix_groups,
+                   help="shared-prefix: distinct prefixes (default %(default)s)")
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len,
+                   help="shared-prefix: tokens of each shared prefix (default %(default)s)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="generate exactly the output length (default: on for synthetic datasets, off for files)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds prompts, lengths and arrivals (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request (default %(default)s)")
+    p.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="METRIC:MS",
+                   help=f"SLOs for goodput, METRIC in {', '.join(SLO_METRICS)}, e.g. ttft:500 tpot:50")
+    p.add_argument("--compare", metavar="HOST:PORT",
+                   help="afterwards, run the same workload against this target and print both side by side")
+    p.add_argument("--output", type=Path, metavar="FILE.json", help="write the summary and every request's timings")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="write latency CDFs and a request timeline")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    a = p.parse_args(argv)
+    try:
+        config = BenchmarkConfig(
+            target=a.target, num_requests=a.num_requests, request_rate=a.request_rate, burstiness=a.burstiness,
+            max_concurrency=a.max_concurrency, dataset=a.dataset, input_len=a.input_len, output_len=a.output_len,
+            range_ratio=a.range_ratio, num_prefix_groups=a.num_prefix_groups, prefix_len=a.prefix_len,
+            ignore_eos=a.ignore_eos, seed=a.seed, timeout=a.timeout, goodput=dict(a.goodput),
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    return config, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 1 when some run completed no request at all, else 0."""
+    config, a = parse_args(argv)
+    progress = None if a.no_progress else sys.stderr
+    result = run_benchmark(config, progress)
+    compare = None
+    if a.compare:
+        compare = run_benchmark(dataclasses.replace(config, target=a.compare), progress)
+    print(format_table(result, compare), flush=True)
+    if a.output:
+        write_json(a.output, result, compare)
+    if a.plot:
+        from loadgen.plot import write_plot  # matplotlib is needed only for --plot
+
+        write_plot(a.plot, result, compare)
+    return 1 if any(r.summary.completed == 0 for r in (result, compare) if r is not None) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

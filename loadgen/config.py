@@ -1,0 +1,63 @@
+"""The benchmark's settings, shared by the CLI and in-process callers."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadgen.datasets import SYNTHETIC_DATASETS, SampleRequest, file_dataset, random_dataset, shared_prefix_dataset
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    target: str  # host:port serving duet.v1.DecodeNode/Generate
+    num_requests: int = 64
+    request_rate: float = math.inf  # requests per second; inf = all at once
+    burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
+    max_concurrency: int | None = None  # None = unlimited
+    dataset: str = "random"  # "random", "shared-prefix" or a file path
+    input_len: int = 128  # prompt length (random) or per-request suffix length (shared-prefix)
+    output_len: int = 32
+    range_ratio: float = 0.0
+    num_prefix_groups: int = 4
+    prefix_len: int = 256
+    ignore_eos: bool | None = None  # None = True for synthetic datasets, False for files
+    seed: int = 0
+    timeout: float | None = 600.0  # seconds per request; None = no deadline
+    goodput: dict[str, float] = field(default_factory=dict)  # SLO metric -> milliseconds
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError("--num-requests must be >= 1")
+        if not self.request_rate > 0:
+            raise ValueError("--request-rate must be > 0 (or inf)")
+        if not 0 < self.burstiness < math.inf:
+            raise ValueError("--burstiness must be > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be >= 1")
+        if self.input_len < 1 or self.output_len < 1 or self.prefix_len < 1 or self.num_prefix_groups < 1:
+            raise ValueError("--input-len, --output-len, --prefix-len and --num-prefix-groups must be >= 1")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError("--range-ratio must be in [0, 1)")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError("--timeout must be > 0")
+        unknown = set(self.goodput) - set(SLO_METRICS)
+        if unknown:
+            raise ValueError(f"--goodput: unknown metric(s) {sorted(unknown)}; use {', '.join(SLO_METRICS)}")
+        if self.dataset not in SYNTHETIC_DATASETS and not Path(self.dataset).is_file():
+            raise ValueError(f"--dataset: {self.dataset!r} is neither {' nor '.join(SYNTHETIC_DATASETS)} nor a file")
+
+    @property
+    def effective_ignore_eos(self) -> bool:
+        return self.dataset in SYNTHETIC_DATASETS if self.ignore_eos is None else self.ignore_eos
+
+    def samples(self) -> list[SampleRequest]:
+        """The workload, a pure function of the settings (so --compare replays the same one)."""
+        if self.dataset == "random":
+            return random_dataset(self.num_requests, self.input_len, self.output_len, self.range_ratio, self.seed)
+        if self.dataset == "shared-prefix":
+            return shared_prefix_dataset(self.num_requests, self.num_prefix_groups, self.prefix_len,
+                                         self.input_len, self.output_len, self.range_ratio, self.seed)
+        return file_dataset(Path(self.dataset), self.num_requests, self.output_len, self.seed)

@@ -1,0 +1,103 @@
+"""The prefill node's NIXL pusher: this node's pool registered once; each layer's pieces become
+one NIXL WRITE (one descriptor per piece and K|V) into the decode node's registered pool.
+
+Posting runs on a sender thread, not the forward thread: with UCX shared memory the copy
+happens inside the post, and it should overlap the next layers' compute.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from common.kv_pool import KVPool
+from common.transports import TransferError
+from common.transports.kv_ranges import Piece, byte_offset, layer_byte_ranges
+from common.transports.nixl_transport import NixlInitiator, WriteHandle
+from protos.duet.v1 import duet_pb2 as pb
+
+
+@dataclass(frozen=True)
+class _Peer:
+    agent_name: str
+    base_address: int
+    num_slots: int
+
+
+class NixlSession:
+    def __init__(self, initiator: NixlInitiator, pool: KVPool, peer: _Peer, timeout_s: float) -> None:
+        self._initiator, self._pool, self._peer = initiator, pool, peer
+        self._deadline = time.monotonic() + timeout_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: list[WriteHandle] = []
+        self._error: TransferError | None = None
+        self._thread = threading.Thread(target=self._post_loop, name="nixl-post", daemon=True)
+        self._thread.start()
+
+    def post_layer(self, layer: int, pieces: list[Piece]) -> None:
+        if pieces:
+            self._queue.put((layer, pieces))
+
+    def _post_loop(self) -> None:
+        sb, peer = self._pool.slot_bytes(), self._peer
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            layer, pieces = item
+            local = layer_byte_ranges(self._pool, layer, [(p.src_slot, p.num_slots) for p in pieces])
+            remote = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot), p.num_slots * sb)
+                      for kv in (0, 1) for p in pieces]
+            try:
+                self._handles.append(self._initiator.write(peer.agent_name, local, remote))
+            except TransferError as exc:
+                self._error = exc
+
+    def finish(self) -> None:
+        """Wait until every posted write is DONE (or failed); raises TransferError. Idempotent."""
+        self._queue.put(None)
+        self._thread.join()
+        while self._handles:
+            try:
+                self._initiator.wait(self._handles.pop(), max(0.0, self._deadline - time.monotonic()))
+            except TransferError as exc:
+                self._error = self._error or exc
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        try:
+            self.finish()
+        except TransferError:
+            pass
+
+
+class NixlPusher:
+    transport = "nixl"
+
+    def __init__(self, pool: KVPool, name: str, timeout_s: float) -> None:
+        self._pool = pool
+        self._initiator = NixlInitiator(name, pool.data)
+        self._timeout_s = timeout_s
+        self._peers: dict[str, _Peer] = {}
+
+    def connect(self, address: str, info: pb.TransportInfo) -> None:
+        expected = info.num_slots * 2 * self._pool.num_layers * self._pool.slot_bytes()
+        if info.pool_size_bytes != expected:
+            raise TransferError(f"decode node {address} registered {info.pool_size_bytes} bytes, expected {expected}",
+                                grpc.StatusCode.FAILED_PRECONDITION)
+        self._initiator.connect(info.nixl_agent_name, info.nixl_agent_metadata)
+        self._peers[address] = _Peer(info.nixl_agent_name, info.pool_base_address, info.num_slots)
+
+    def disconnect(self, address: str) -> None:
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            self._initiator.disconnect(peer.agent_name)
+
+    def open(self, address: str, request_id: str, nonce: int) -> NixlSession:
+        return NixlSession(self._initiator, self._pool, self._peers[address], self._timeout_s)
+
+    def close(self) -> None:
+        self._initiator.close()

@@ -1,0 +1,188 @@
+"""python -m loadgen: arrivals, datasets, and whole runs against real decode nodes."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from loadgen import BenchmarkConfig, format_table, run_benchmark
+from loadgen.arrivals import arrival_offsets
+from loadgen.datasets import TOKEN_ID_RANGE, file_dataset, random_dataset, shared_prefix_dataset
+from tests.daemons import ROOT, decode_node, free_port
+
+SUMMARY_FIELDS = {
+    "completed", "failed", "failed_by_status", "duration_s", "total_input_tokens", "total_output_tokens",
+    "total_cached_tokens", "request_throughput", "output_throughput", "total_token_throughput", "goodput",
+    "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms",
+}
+REQUEST_FIELDS = {
+    "index", "status", "error", "finish_reason", "arrival_s", "start_s", "first_token_s", "end_s", "ttft_ms",
+    "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens",
+}
+STATS = {"mean", "median", "p90", "p99"}
+
+
+def loadgen(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loadgen", "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    with decode_node(tmp_path_factory.mktemp("loadgen_dn"), "--transport", "tcp") as d:
+        yield d
+
+
+# ---------------------------------------------------------------- arrivals and datasets (no daemons)
+
+def test_poisson_arrivals_have_the_requested_mean_and_unit_cv():
+    offsets = arrival_offsets(20_001, rate=5.0, burstiness=1.0, seed=1)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)  # exponential: CV = 1
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_burstiness_is_the_gamma_shape(burstiness):
+    rate = 10.0
+    gaps = np.diff(arrival_offsets(20_001, rate=rate, burstiness=burstiness, seed=2))
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.05)
+    assert gaps.var() == pytest.approx(1 / (burstiness * rate**2), rel=0.15)
+
+
+def test_burstier_arrivals_vary_more_and_same_seed_repeats():
+    variances = [np.diff(arrival_offsets(5_001, 2.0, b, seed=3)).var() for b in (0.5, 1.0, 2.0)]
+    assert variances[0] > variances[1] > variances[2]
+    assert np.array_equal(arrival_offsets(50, 2.0, 1.0, seed=4), arrival_offsets(50, 2.0, 1.0, seed=4))
+
+
+def test_infinite_rate_sends_everything_at_once():
+    assert np.array_equal(arrival_offsets(7, math.inf, 0.5, seed=0), np.zeros(7))
+
+
+def test_synthetic_datasets_have_exact_lengths():
+    fixed = random_dataset(20, input_len=50, output_len=7, range_ratio=0.0, seed=0)
+    assert all(len(s.token_ids) == 50 and s.output_len == 7 for s in fixed)
+    assert all(TOKEN_ID_RANGE[0] <= t < TOKEN_ID_RANGE[1] for s in fixed for t in s.token_ids)
+    ranged = random_dataset(200, input_len=100, output_len=10, range_ratio=0.5, seed=0)
+    assert {len(s.token_ids) for s in ranged} <= set(range(50, 151)) and len({len(s.token_ids) for s in ranged}) > 10
+    assert all(5 <= s.output_len <= 15 for s in ranged)
+    shared = shared_prefix_dataset(12, num_groups=3, prefix_len=40, input_len=8, output_len=4, range_ratio=0, seed=1)
+    prefixes = {s.token_ids[:40] for s in shared}
+    assert len(prefixes) == 3 and all(len(s.token_ids) == 48 for s in shared)
+    assert sorted(sum(s.token_ids[:40] == p for s in shared) for p in prefixes) == [4, 4, 4]
+
+
+def test_file_datasets_jsonl_and_sharegpt(tmp_path):
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "Hello"}\n\n{"prompt": "Name a colour."}\n')
+    samples = file_dataset(jsonl, 5, output_len=3, seed=0)
+    assert len(samples) == 5 and {s.prompt for s in samples} == {"Hello", "Name a colour."}
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}]},
+        {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+    ]))
+    samples = file_dataset(sharegpt, 2, output_len=3, seed=0)
+    assert [s.messages for s in samples] == [(("user", "What is 2+2?"),)] * 2
+
+
+# ---------------------------------------------------------------- whole runs against decode nodes
+
+def test_run_against_a_decode_node_writes_json_and_png(node, tmp_path):
+    out, png = tmp_path / "run.json", tmp_path / "run.png"
+    done = loadgen("--target", node.address, "--num-requests", "4", "--request-rate", "inf",
+                   "--max-concurrency", "2", "--input-len", "24", "--output-len", "4", "--seed", "7",
+                   "--goodput", "ttft:60000", "tpot:60000", "e2el:60000", "--output", str(out), "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    assert "Serving Benchmark Result" in done.stdout and "Goodput (req/s)" in done.stdout
+    data = json.loads(out.read_text())
+    summary = data["summary"]
+    assert set(summary) == SUMMARY_FIELDS
+    assert summary["completed"] == 4 and summary["failed"] == 0 and summary["failed_by_status"] == {}
+    assert summary["total_output_tokens"] == 16 and summary["total_input_tokens"] == 96
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(summary[name]) == STATS and 0 < summary[name]["median"] <= summary[name]["p99"]
+    assert data["config"]["request_rate"] == "inf" and data["config"]["goodput"]["ttft"] == 60000
+    assert len(data["requests"]) == 4
+    for r in data["requests"]:
+        assert set(r) == REQUEST_FIELDS
+        assert r["status"] == "OK" and r["finish_reason"] == "length"
+        assert r["prompt_tokens"] == 24 and r["completion_tokens"] == 4
+        assert 1 <= len(r["itl_ms"]) <= 3
+        assert r["arrival_s"] <= r["start_s"] < r["first_token_s"] <= r["end_s"]
+        assert r["tpot_ms"] == pytest.approx((r["e2el_ms"] - r["ttft_ms"]) / 3)
+    # --max-concurrency 2: never more than two requests in flight.
+    events = sorted([(r["start_s"], 1) for r in data["requests"]] + [(r["end_s"], -1) for r in data["requests"]])
+    assert max(np.cumsum([step for _, step in events])) <= 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_in_process_api_with_shared_prefix_and_text_datasets(node, tmp_path, tokenizer):
+    config = BenchmarkConfig(target=node.address, num_requests=2, input_len=16, output_len=3,
+                             dataset="shared-prefix", num_prefix_groups=1, prefix_len=32, seed=1)
+    result = run_benchmark(config, progress=None)
+    assert result.summary.completed == 2 and [r.completion_tokens for r in result.requests] == [3, 3]
+    assert all(r.prompt_tokens == 48 for r in result.requests)
+    assert "Successful requests:" in format_table(result)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "The capital of France is"}\n')
+    result = run_benchmark(BenchmarkConfig(target=node.address, num_requests=1, output_len=2, dataset=str(prompts)),
+                           progress=None)
+    assert result.summary.completed == 1
+    assert result.requests[0].prompt_tokens == len(tokenizer.encode("The capital of France is"))
+
+
+def test_compare_prints_ratios(node):
+    done = loadgen("--target", node.address, "--compare", node.address, "--num-requests", "2",
+                   "--input-len", "16", "--output-len", "3")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert ["metric", "target", "compare", "ratio"] in [line.split() for line in lines]
+    successful = next(line for line in lines if line.startswith("Successful requests"))
+    assert successful.split()[-3:] == ["2", "2", "1.00x"]
+    assert any(line.startswith("Mean TTFT (ms)") and line.endswith("x") for line in lines)
+
+
+def test_unreachable_target_fails_every_request_with_its_status(tmp_path):
+    out = tmp_path / "down.json"
+    done = loadgen("--target", f"127.0.0.1:{free_port()}", "--num-requests", "3", "--input-len", "8",
+                   "--output-len", "2", "--output", str(out), timeout=30)
+    assert done.returncode == 1, done.stderr  # ran to the end, but nothing completed
+    assert "Failed requests:" in done.stdout and "UNAVAILABLE" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["summary"]["completed"] == 0 and data["summary"]["failed"] == 3
+    assert data["summary"]["failed_by_status"] == {"UNAVAILABLE": 3}
+    assert all(r["status"] == "UNAVAILABLE" and r["error"] for r in data["requests"])
+
+
+def test_target_dying_mid_run_yields_failed_counts(tmp_path):
+    out = tmp_path / "dying.json"
+    with decode_node(tmp_path, "--transport", "tcp") as doomed:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "loadgen", "--no-progress", "--target", doomed.address, "--num-requests", "4",
+             "--max-concurrency", "2", "--input-len", "16", "--output-len", "1000", "--output", str(out)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            while doomed.metrics().get("duet_ttft_seconds_count", 0) < 1:  # a stream is under way
+                assert run.poll() is None and time.monotonic() < deadline, "no request got going"
+                time.sleep(0.1)
+            doomed.proc.send_signal(signal.SIGKILL)
+            stdout, stderr = run.communicate(timeout=30)
+        finally:
+            if run.poll() is None:
+                run.kill()
+    assert run.returncode in (0, 1) and "Traceback" not in stderr, stderr
+    assert "Failed requests:" in stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] + summary["failed"] == 4
+    assert summary["failed"] >= 3 and summary["failed_by_status"].get("UNAVAILABLE", 0) >= 1
