@@ -25,6 +25,7 @@ class DecodeNodeConfig:
     transport: str = "nixl"
     prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
     min_remote_prefill_tokens: int = 32
+    pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
     advertise_address: str = ""  # how prefill nodes reach this node; default host:port
 
     def __post_init__(self) -> None:
@@ -34,6 +35,8 @@ class DecodeNodeConfig:
             raise ValueError("--lease-seconds must be > 0")
         if not 0 <= self.admission_watermark < 1:
             raise ValueError("--admission-watermark must be in [0, 1)")
+        if not 0 <= self.pd_balance < 1:
+            raise ValueError("--pd-balance must be in [0, 1)")
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
@@ -62,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    help="a prefill node for Generate to hand prompts to (repeatable); none = single-node mode")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=d.min_remote_prefill_tokens,
                    help="prefill locally when fewer uncached prompt tokens than this (default %(default)s)")
+    p.add_argument("--pd-balance", type=float, default=d.pd_balance, metavar="F",
+                   help="prefill the last fraction F of each prompt here instead of on the prefill node "
+                   "(default %(default)s)")
     p.add_argument("--advertise-address", default="", metavar="HOST:PORT",
                    help="address prefill nodes use to reach this node (default: --host:--port)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
@@ -71,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
             host=a.host, port=a.port, metrics_port=a.metrics_port, model=a.model, page_size=a.page_size,
             kv_pages=a.kv_pages, lease_seconds=a.lease_seconds, max_batch_tokens=a.max_batch_tokens,
             admission_watermark=a.admission_watermark, log_level=a.log_level, transport=a.transport,
-            prefill=tuple(a.prefill), min_remote_prefill_tokens=a.min_remote_prefill_tokens,
+            prefill=tuple(a.prefill), min_remote_prefill_tokens=a.min_remote_prefill_tokens, pd_balance=a.pd_balance,
             advertise_address=a.advertise_address,
         )
     except ValueError as exc:

@@ -211,8 +211,9 @@ class DecodeNode:
 
     def _generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams) -> RequestHandle | None:
         """PrepareReceive, RemoteSend, StartGeneration; None if the KV did not arrive."""
+        end = min(int((1 - self.config.pd_balance) * len(tokens)), len(tokens) - 1)
         try:
-            p = self.prepare_receive(request_id, tokens, -1)
+            p = self.prepare_receive(request_id, tokens, end)
         except ResourceExhausted:
             return None  # local prefill queues in the scheduler instead of refusing
         if p.kv_window_end > p.prefix_matched_length:

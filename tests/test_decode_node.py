@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.kv_metadata import expand_slots
 from protos.duet.v1 import duet_pb2 as pb
-from tests.daemons import decode_node
+from scripts.local_daemons import decode_node
 from tests.reference import hf_greedy
 
 PAGE = 16

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
-from tests.daemons import decode_node, prefill_node
+from scripts.local_daemons import decode_node, prefill_node
 from tests.reference import engine_greedy, hf_greedy
 
 TRANSPORTS = ["nixl", "tcp"]

@@ -14,7 +14,7 @@ import pytest
 from loadgen import BenchmarkConfig, format_table, run_benchmark
 from loadgen.arrivals import arrival_offsets
 from loadgen.datasets import TOKEN_ID_RANGE, file_dataset, random_dataset, shared_prefix_dataset
-from tests.daemons import ROOT, decode_node, free_port
+from scripts.local_daemons import ROOT, decode_node, free_port
 
 SUMMARY_FIELDS = {
     "completed", "failed", "failed_by_status", "duration_s", "total_input_tokens", "total_output_tokens",

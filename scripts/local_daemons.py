@@ -1,4 +1,5 @@
-"""Start the real daemons as separate processes on loopback, and always clean them up."""
+"""Start the real daemons as separate processes on loopback (for `make run`, benchmarks and
+tests), and always clean them up."""
 from __future__ import annotations
 
 import os

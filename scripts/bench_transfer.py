@@ -1,0 +1,379 @@
+"""KV transfer bandwidth and disaggregated time to first token, side by side in one run.
+
+(A) KV transfer, GB/s, one host. The shape is SmolLM2-135M's (30 layers, 3 KV heads, head dim
+64, fp32: 46,080 bytes per token over all layers, K and V) with 16-token pages. For 1k / 4k / 8k
+tokens a prefill-shaped pool in this process and a decode-shaped pool in a second process
+(multiprocessing ``spawn``, ``UCX_TLS=sm,self``) are each just big enough, and the sequence's
+pages are a random permutation on both sides: the worst scatter, every piece is one page, so a
+transfer is ``pages x 30 layers x 2 (K|V)`` ranges of 12 KiB. All four methods move the same bytes:
+
+- NIXL path: the product code. ``NixlPusher`` (prefill_node/nixl_push.py) opens a session, the
+  pieces are posted per layer (one NIXL WRITE per layer, one descriptor per piece and K|V, from
+  the sender thread) and ``finish`` waits for all; the decode process runs the decode node's
+  ``NixlEndpoint`` (pool registered once, progress thread polling as while a transfer is due).
+- TCP: the same pieces through ``TcpPusher`` / ``TcpKvSession`` into the decode node's
+  ``TcpEndpoint`` (``TcpKvReceiver``), whose authorizer grants the reservation's real segments.
+- memcpy: ``torch`` ``copy_`` of one contiguous buffer of the same size, in this process: the limit.
+- raw NIXL: one ``NixlInitiator.write`` of the whole contiguous pool as a single descriptor, into
+  the same decode process (no per-layer split, no sender thread).
+
+Before timing, the NIXL path and TCP each move the KV once into a zeroed decode pool, and the
+decode process checks (hash) that every destination slot holds its source slot's bytes. Each
+number is the median of timed rounds after an untimed warm-up round; the methods alternate
+within a round, so load from other processes hits them alike. Goals: NIXL path / raw NIXL at
+least 0.8, NIXL path / memcpy at least 0.45.
+
+(B) Time to first token of a 1,000-token prompt, client side (``Generate`` called to first
+chunk, ``max_tokens=1``), with the real daemons on loopback (scripts/local_daemons.py): a
+prefill node plus a decode node with ``--prefill <it> --min-remote-prefill-tokens 1``
+(disaggregated) against a decode node without ``--prefill`` (single node), all with default
+settings otherwise. Prompts are random ids in [100, 40000), a different one for every call, so
+no prefix cache ever hits. Median of timed calls after one warm-up call each, alternating the
+two setups; per transport. The prefill node's own histograms give the mean remote prefill and
+RemoteSend times. Goal: disaggregated at most 1.05x single node.
+
+Goals are informational: the exit status is 0 either way.
+
+Usage: python -m scripts.bench_transfer [--quick] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from common.kv_metadata import decode_segments, encode_segments
+from common.kv_pool import KVPool
+from common.transports.kv_ranges import Piece, plan_pieces
+from common.transports.nixl_transport import NixlInitiator
+from common.transports.tcp_transport import WriteGrant
+from decode_node.kv_endpoint import open_endpoint
+from prefill_node.kv_push import KvPusher, open_pusher
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+from scripts.local_daemons import Daemon, decode_node, prefill_node
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
+BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4  # 46,080
+TRANSFER_TIMEOUT_S = 60.0
+PEER = "bench-decode"  # the pushers' key for the decode process
+RAW_GOAL, MEMCPY_GOAL, TTFT_GOAL = 0.8, 0.45, 1.05
+TTFT_PROMPT_TOKENS = 1000
+
+
+@dataclass
+class KvRow:
+    tokens: int
+    megabytes: float
+    descriptors: int  # in all writes of one NIXL-path transfer
+    nixl_path: float  # GB/s
+    tcp: float
+    memcpy: float
+    raw_nixl: float
+    path_vs_raw: float
+    path_vs_memcpy: float
+    raw_verdict: str
+    memcpy_verdict: str
+
+
+@dataclass
+class TtftRow:
+    transport: str
+    disaggregated_ms: float
+    single_node_ms: float
+    ratio: float
+    verdict: str
+    remote_prefill_ms: float  # mean, from the prefill node's histograms
+    remote_send_ms: float  # RemoteSend start to confirmed transfer (prefill included)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+# ---------------------------------------------------------------------------------------------
+# (A) the decode process (module level, so that spawn can import it)
+
+
+def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int]]) -> None:
+    """Host a decode-shaped pool behind the decode node's NIXL and TCP endpoints; answer
+    "clear" (zero the pool) and "digest" (hash of the reserved slots in position order)."""
+    pool = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE)
+    slots = torch.tensor([s for start, n in segments for s in range(start, start + n)])
+
+    def authorize(request_id: str, nonce: int) -> WriteGrant:
+        return WriteGrant(segments, lambda: None)
+
+    endpoints = [open_endpoint(t, pool, authorize, "127.0.0.1", name=f"{PEER}-{os.getpid()}",
+                               transfers_pending=lambda: True) for t in ("nixl", "tcp")]
+    try:
+        infos = [e.info() for e in endpoints]
+        for info in infos:
+            info.num_slots = pool.num_slots
+        conn.send([info.SerializeToString() for info in infos])
+        while (cmd := conn.recv()) != "quit":
+            if cmd == "clear":
+                pool.data.zero_()
+                conn.send(None)
+            elif cmd == "digest":
+                conn.send(digest(pool.data.index_select(2, slots)))
+    except EOFError:
+        pass
+    finally:
+        for e in endpoints:
+            e.close()
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().numpy()).hexdigest()
+
+
+@contextmanager
+def decode_process(num_pages: int,
+                   segments: list[tuple[int, int]]) -> Iterator[tuple[Connection, list[pb.TransportInfo]]]:
+    """The decode process and its (nixl, tcp) transport infos; always stopped on exit."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_decode_side, args=(theirs, num_pages, segments), daemon=True)
+    proc.start()
+    try:
+        if not ours.poll(120):
+            raise TimeoutError("the decode process did not publish its endpoints within 120 s")
+        yield ours, [pb.TransportInfo.FromString(b) for b in ours.recv()]
+    finally:
+        try:
+            ours.send("quit")
+        except OSError:
+            pass
+        proc.join(15)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
+
+
+# ---------------------------------------------------------------------------------------------
+# (A) this process: the layout, the four methods, the rounds
+
+
+@dataclass
+class Layout:
+    src_slots: list[int]  # position order
+    dst_segments: list[tuple[int, int]]
+    pieces: list[Piece]
+
+
+def scattered_layout(tokens: int, seed: int) -> Layout:
+    """Random page permutations on both sides of pools holding exactly `tokens` positions."""
+    rng = random.Random(seed)
+    pages = list(range(tokens // PAGE_SIZE))
+    src_pages, dst_pages = rng.sample(pages, len(pages)), rng.sample(pages, len(pages))
+    src_slots, dst_slots = slots_of(src_pages), slots_of(dst_pages)
+    dst_segments = decode_segments(encode_segments(dst_slots))
+    return Layout(src_slots, dst_segments, plan_pieces(src_slots, dst_segments))
+
+
+def slots_of(pages: list[int]) -> list[int]:
+    return [p * PAGE_SIZE + o for p in pages for o in range(PAGE_SIZE)]
+
+
+def push_all_layers(pusher: KvPusher, layout: Layout) -> None:
+    """One transfer as RemoteSend makes it: open, post every layer's pieces, finish."""
+    session = pusher.open(PEER, "bench", 0)
+    for layer in range(NUM_LAYERS):
+        session.post_layer(layer, layout.pieces)
+    session.finish()
+
+
+def timed_rounds(methods: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, float]:
+    """Median seconds per method; the methods alternate within each round."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for i in range(warmup + reps):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def check_lands(conn: Connection, move: Callable[[], None], expected: str, what: str) -> None:
+    conn.send("clear")
+    conn.recv()
+    move()
+    conn.send("digest")
+    if conn.recv() != expected:
+        raise RuntimeError(f"{what}: the decode pool does not hold the source KV after a transfer")
+
+
+def bench_kv(tokens: int, warmup: int, reps: int) -> KvRow:
+    layout = scattered_layout(tokens, seed=tokens)
+    num_pages = tokens // PAGE_SIZE
+    src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE)
+    src.data.uniform_()
+    expected = digest(src.data.index_select(2, torch.tensor(layout.src_slots)))
+    nbytes = tokens * BYTES_PER_TOKEN
+    assert src.data.numel() * src.data.element_size() == nbytes
+    copy_dst = torch.empty_like(src.data)
+
+    with ExitStack() as stack:
+        conn, (nixl_info, tcp_info) = stack.enter_context(decode_process(num_pages, layout.dst_segments))
+        nixl = open_pusher("nixl", src, f"bench-prefill-{tokens}", TRANSFER_TIMEOUT_S)
+        stack.callback(nixl.close)
+        nixl.connect(PEER, nixl_info)
+        tcp = open_pusher("tcp", src, "", TRANSFER_TIMEOUT_S)
+        stack.callback(tcp.close)
+        tcp.connect(PEER, tcp_info)
+        raw = stack.enter_context(NixlInitiator(f"bench-raw-{tokens}", src.data))
+        raw.connect(nixl_info.nixl_agent_name, nixl_info.nixl_agent_metadata)
+        whole_src, whole_dst = [(src.data.data_ptr(), nbytes)], [(nixl_info.pool_base_address, nbytes)]
+
+        methods = {
+            "nixl_path": lambda: push_all_layers(nixl, layout),
+            "tcp": lambda: push_all_layers(tcp, layout),
+            "memcpy": lambda: copy_dst.copy_(src.data),
+            "raw_nixl": lambda: raw.wait(raw.write(nixl_info.nixl_agent_name, whole_src, whole_dst),
+                                         TRANSFER_TIMEOUT_S),
+        }
+        check_lands(conn, methods["nixl_path"], expected, "NIXL path")
+        check_lands(conn, methods["tcp"], expected, "TCP")
+        seconds = timed_rounds(methods, warmup, reps)
+
+    gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
+    vs_raw, vs_memcpy = gbps["nixl_path"] / gbps["raw_nixl"], gbps["nixl_path"] / gbps["memcpy"]
+    return KvRow(tokens, nbytes / 1e6, NUM_LAYERS * 2 * len(layout.pieces), **gbps,
+                 path_vs_raw=vs_raw, path_vs_memcpy=vs_memcpy,
+                 raw_verdict=verdict(vs_raw >= RAW_GOAL), memcpy_verdict=verdict(vs_memcpy >= MEMCPY_GOAL))
+
+
+# ---------------------------------------------------------------------------------------------
+# (B) TTFT with the real daemons
+
+
+def random_prompt(rng: random.Random) -> list[int]:
+    return rng.choices(range(100, 40000), k=TTFT_PROMPT_TOKENS)
+
+
+def time_to_first_token(stub: duet_pb2_grpc.DecodeNodeStub, prompt: list[int]) -> float:
+    """Seconds from calling Generate to the first chunk carrying a token (stream drained)."""
+    sampling = pb.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    first = None
+    for chunk in stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=sampling), timeout=120):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("Generate returned no token")
+    return first
+
+
+def prefill_node_totals(pn: Daemon) -> tuple[float, float, float]:
+    """(computed tokens, prefill seconds, RemoteSend seconds) so far, from /metrics."""
+    m = pn.metrics()
+    return (m["duet_prefill_computed_tokens_total"], m["duet_prefill_seconds_sum"],
+            m["duet_remote_send_seconds_sum"])
+
+
+def bench_ttft(transport: str, single: Daemon, tmp: Path, rng: random.Random, reps: int) -> TtftRow:
+    with prefill_node(tmp, "--transport", transport) as pn, \
+            decode_node(tmp, "--transport", transport, "--prefill", pn.address,
+                        "--min-remote-prefill-tokens", "1") as dn:
+        time_to_first_token(dn.stub, random_prompt(rng))  # warm-up: handshake, first forward
+        time_to_first_token(single.stub, random_prompt(rng))
+        before = prefill_node_totals(pn)
+        disagg, local = [], []
+        for _ in range(reps):
+            disagg.append(time_to_first_token(dn.stub, random_prompt(rng)))
+            local.append(time_to_first_token(single.stub, random_prompt(rng)))
+        tokens, prefill_s, send_s = (b - a for a, b in zip(before, prefill_node_totals(pn)))
+    if tokens < reps * (TTFT_PROMPT_TOKENS - 1):
+        raise RuntimeError(f"the prefill node computed {tokens:.0f} tokens, not the prompts: "
+                           "Generate did not hand them over")
+    a, b = 1e3 * statistics.median(disagg), 1e3 * statistics.median(local)
+    return TtftRow(transport, a, b, a / b, verdict(a / b <= TTFT_GOAL), 1e3 * prefill_s / reps, 1e3 * send_s / reps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def format_table(kv: list[KvRow], ttft: list[TtftRow], kv_reps: int, ttft_reps: int) -> str:
+    lines = [
+        f"KV transfer, GB/s (median of {kv_reps})   NIXL path    TCP  memcpy  raw NIXL"
+        f"   path/raw (>={RAW_GOAL})   path/memcpy (>={MEMCPY_GOAL})",
+        "-" * 108,
+    ]
+    for r in kv:
+        label = f"{r.tokens:>5} tok {r.megabytes:6.1f} MB {r.descriptors:>6} descr"
+        lines.append(f"{label:<36} {r.nixl_path:>9.2f} {r.tcp:>6.2f} {r.memcpy:>7.2f} {r.raw_nixl:>9.2f}"
+                     f"   {r.path_vs_raw:>6.2f}x {r.raw_verdict:<12}"
+                     f"   {r.path_vs_memcpy:>6.2f}x {r.memcpy_verdict}")
+    lines += [
+        "-" * 108,
+        f"TTFT, {TTFT_PROMPT_TOKENS}-tok prompt, ms (median of {ttft_reps})"
+        f"   disagg  single   ratio (<={TTFT_GOAL})   prefill node: prefill / RemoteSend (mean ms)",
+        "-" * 108,
+    ]
+    for r in ttft:
+        lines.append(f"{'--transport ' + r.transport:<36} {r.disaggregated_ms:>8.0f} {r.single_node_ms:>7.0f}"
+                     f"   {r.ratio:>5.2f}x {r.verdict:<9}   {r.remote_prefill_ms:>6.0f} / {r.remote_send_ms:.0f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions, nixl TTFT only")
+    parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
+    args = parser.parse_args()
+    os.environ.setdefault("UCX_TLS", "sm,self")  # before any NIXL agent exists, inherited by children
+    sizes = (1024, 8192) if args.quick else (1024, 4096, 8192)
+    kv_warmup, kv_reps = 1, 3 if args.quick else 7
+    ttft_reps = 3 if args.quick else 5
+    transports = ("nixl",) if args.quick else ("nixl", "tcp")
+
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, UCX_TLS={os.environ['UCX_TLS']}; "
+          "measuring...", flush=True)
+    kv = []
+    for tokens in sizes:
+        kv.append(row := bench_kv(tokens, kv_warmup, kv_reps))
+        print(f"  KV {tokens:5d} tok: NIXL path {row.nixl_path:.2f}, TCP {row.tcp:.2f}, memcpy {row.memcpy:.2f}, "
+              f"raw NIXL {row.raw_nixl:.2f} GB/s", flush=True)
+    ttft = []
+    rng = random.Random(20240601)
+    with tempfile.TemporaryDirectory(prefix="bench_transfer_") as tmp:
+        with decode_node(Path(tmp)) as single:
+            for transport in transports:
+                ttft.append(row := bench_ttft(transport, single, Path(tmp), rng, ttft_reps))
+                print(f"  TTFT {transport}: disaggregated {row.disaggregated_ms:.0f} ms, "
+                      f"single node {row.single_node_ms:.0f} ms", flush=True)
+    load_after = os.getloadavg()[0]
+
+    print()
+    print(format_table(kv, ttft, kv_reps, ttft_reps))
+    print(f"\ntotal {time.perf_counter() - started:.0f} s; 1-min load average {load_before:.1f} before, "
+          f"{load_after:.1f} after")
+    if max(load_before, load_after) > (os.cpu_count() or 1) + 0.5:
+        print("warning: other processes were busy on this machine; absolute numbers are noisy "
+              "(the methods alternate, so ratios are less affected)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "ucx_tls": os.environ["UCX_TLS"],
+                       "bytes_per_token": BYTES_PER_TOKEN, "page_size": PAGE_SIZE,
+                       "kv": [asdict(r) for r in kv], "ttft": [asdict(r) for r in ttft]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
