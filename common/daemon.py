@@ -86,3 +86,20 @@ class GrpcDaemon:
         if on_shutdown is not None:
             on_shutdown()
         log.info("stopped", extra={"fields": {"drain_seconds": round(time.monotonic() - started, 3)}})
+
+
+def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], object]) -> int:
+    """The shared `main` of both daemons: logging and threads from `config`, bind the port
+    first (a taken port fails fast), then `start(daemon, config)` loads the model, builds the
+    node and registers its servicer; serve until SIGTERM and shut the node down."""
+    import torch
+
+    setup_logging(config.log_level)
+    torch.set_grad_enabled(False)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    daemon = GrpcDaemon(config.host, config.port)
+    node = start(daemon, config)
+    daemon.serve([service_name], metrics_registry=node.metrics.registry, metrics_port=config.metrics_port,
+                 on_shutdown=node.shutdown)
+    return 0

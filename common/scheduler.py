@@ -127,6 +127,11 @@ class Scheduler:
         with self.lock:
             return any(r.request_id == request_id for r in self._active)
 
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens of admitted requests not yet computed."""
+        with self.lock:
+            return sum(r.seq.num_pending for r in self._active if r.seq.num_pending > 1)
+
     def num_active(self) -> int:
         with self.lock:
             return len(self._active)

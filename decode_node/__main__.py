@@ -4,34 +4,21 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import torch
-
-from common.daemon import GrpcDaemon, setup_logging
+from common.daemon import GrpcDaemon, run_node
 from common.model_loading import load_model_and_tokenizer
-from decode_node.config import parse_args
+from decode_node.config import DecodeNodeConfig, parse_args
 from decode_node.node import DecodeNode
 from decode_node.service import DecodeNodeService
-from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from protos.duet.v1 import duet_pb2_grpc
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    setup_logging(config.log_level)
-    torch.set_grad_enabled(False)
-    daemon = GrpcDaemon(config.host, config.port)  # bind first: a taken port fails fast
+def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
     if not config.advertise_address:  # with --port 0 only the bound port is known
         config = dataclasses.replace(config, advertise_address=f"{config.host}:{daemon.port}")
-    model, tokenizer = load_model_and_tokenizer(config.model)
-    node = DecodeNode(config, model, tokenizer)
+    node = DecodeNode(config, *load_model_and_tokenizer(config.model))
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node), daemon.server)
-    daemon.serve(
-        [duet_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name],
-        metrics_registry=node.metrics.registry,
-        metrics_port=config.metrics_port,
-        on_shutdown=node.shutdown,
-    )
-    return 0
+    return node
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_node(parse_args(), "duet.v1.DecodeNode", start))

@@ -15,6 +15,7 @@ from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, No
 from common.kv_metadata import decode_segments, encode_segments
 from common.model import LlamaModel
 from common.page_allocator import OutOfPages
+from common.router.prefill_pool import PrefillPool
 from common.sampling import SamplingParams
 from common.scheduler import RequestHandle, Scheduler
 from common.tokenizer import Tokenizer
@@ -22,7 +23,6 @@ from common.transports.tcp_transport import WriteGrant
 from decode_node.config import DecodeNodeConfig
 from decode_node.kv_endpoint import open_endpoint
 from decode_node.metrics import DecodeMetrics
-from decode_node.remote_prefill import PrefillPool
 from decode_node.reservations import Reservation, ReservationTable
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -61,6 +61,7 @@ class DecodeNode:
         return self.engine.model.config.vocab_size
 
     def shutdown(self) -> None:
+        self.prefill_pool.close()
         self.kv_endpoint.close()
         self.reservations.stop()
         self.scheduler.stop()
@@ -193,7 +194,7 @@ class DecodeNode:
         request_id = request_id or uuid.uuid4().hex
         self._check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
-        if self.prefill_pool and self._worth_remote(tokens):
+        if self.prefill_pool.healthy() and self._worth_remote(tokens):
             handle = self._generate_remote(request_id, tokens, params)
             if handle is not None:
                 return handle
@@ -231,6 +232,15 @@ class DecodeNode:
             with self.engine.lock:
                 self.reservations.release(request_id)
             return None
+
+    def load(self) -> pb.NodeLoad:
+        with self.engine.lock:
+            return pb.NodeLoad(
+                kv_pages_total=self.engine.allocator.num_pages, kv_pages_free=self.engine.allocator.num_free,
+                kv_pages_reserved=self.reservations.reserved_pages(),
+                kv_pages_cached=self.engine.prefix_cache.num_cached_pages,
+                running_requests=self.scheduler.num_active(),
+                queued_prefill_tokens=self.scheduler.pending_prefill_tokens())
 
     def abort(self, request_id: str) -> None:
         with self.engine.lock:

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from common.errors import InvalidArgument, RequestError
+from common.errors import RequestError
+from common.prompts import prompt_token_ids
 from common.rpc_convert import chunk_to_proto, sampling_from_proto
 from common.scheduler import RequestHandle
 from decode_node.node import DecodeNode
@@ -15,8 +16,6 @@ from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-MAX_PROMPT_TEXT_CHARS = 1_000_000
 
 
 class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
@@ -66,12 +65,15 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         received = time.perf_counter()
         try:
             params = sampling_from_proto(request.sampling, self.node.vocab_size)
-            tokens = self._prompt_tokens(request)
+            tokens = prompt_token_ids(request, self.node.tokenizer)
             rid = request.request_id if request.HasField("request_id") else None
             handle = self.node.generate(rid, tokens, params)
         except RequestError as exc:
             self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)
+
+    def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.NodeLoad:
+        return self.node.load()
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         try:
@@ -79,25 +81,6 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         except RequestError as exc:
             self._fail(context, "Abort", exc)
         return pb.AbortResponse()
-
-    def _prompt_tokens(self, request: pb.GenerateRequest) -> list[int]:
-        given = [name for name in ("token_ids", "prompt", "messages") if getattr(request, name)]
-        if len(given) != 1:
-            raise InvalidArgument(f"set exactly one of token_ids, prompt, messages (got {given or 'none'})")
-        tok = self.node.tokenizer
-        if request.token_ids:
-            return list(request.token_ids)
-        if request.prompt:
-            if len(request.prompt) > MAX_PROMPT_TEXT_CHARS:
-                raise InvalidArgument(f"prompt is longer than {MAX_PROMPT_TEXT_CHARS} characters")
-            return tok.encode(request.prompt)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_TEXT_CHARS:
-            raise InvalidArgument(f"messages are longer than {MAX_PROMPT_TEXT_CHARS} characters")
-        try:
-            return tok.encode(tok.apply_chat_template(messages))
-        except Exception as exc:  # the template itself may raise on malformed conversations
-            raise InvalidArgument(f"messages could not be rendered with the chat template: {exc}") from None
 
     def _stream(self, rpc: str, handle: RequestHandle, context, received: float) -> Iterator[pb.GenerationChunk]:
         """Relay chunks until the request finishes; a cancelled call aborts the request."""

@@ -43,6 +43,13 @@ class PrefillNode:
         self.peers.close()
         self.pusher.close()
 
+    def load(self) -> pb.NodeLoad:
+        with self.engine.lock:
+            return pb.NodeLoad(
+                kv_pages_total=self.engine.allocator.num_pages, kv_pages_free=self.engine.allocator.num_free,
+                kv_pages_cached=self.engine.prefix_cache.num_cached_pages,
+                running_requests=self.scheduler.num_jobs(), queued_prefill_tokens=self.scheduler.pending_tokens())
+
     def _validate(self, req: pb.RemoteSendRequest) -> None:
         if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_LENGTH:
             raise InvalidArgument(f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} characters")

@@ -98,6 +98,10 @@ class PrefillScheduler:
             else:
                 self.engine.release(job.seq, cache=cache)
 
+    def num_jobs(self) -> int:
+        with self.engine.lock:
+            return len(self._jobs) + len(self._waiting)
+
     def pending_tokens(self) -> int:
         with self.engine.lock:
             return sum(j.seq.num_pending for j in self._jobs + self._waiting)

@@ -19,3 +19,6 @@ class PrefillNodeService(duet_pb2_grpc.PrefillNodeServicer):
             context.abort(exc.code, str(exc))
         self.node.metrics.requests.labels("RemoteSend", "OK").inc()
         return response
+
+    def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.NodeLoad:
+        return self.node.load()

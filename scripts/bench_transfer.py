@@ -148,6 +148,7 @@ def decode_process(num_pages: int,
     ours, theirs = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_decode_side, args=(theirs, num_pages, segments), daemon=True)
     proc.start()
+    theirs.close()  # so that a crashed child reads as EOF here
     try:
         if not ours.poll(120):
             raise TimeoutError("the decode process did not publish its endpoints within 120 s")
@@ -209,6 +210,7 @@ def timed_rounds(methods: dict[str, Callable[[], None]], warmup: int, reps: int)
 
 
 def check_lands(conn: Connection, move: Callable[[], None], expected: str, what: str) -> None:
+    """Zero the decode pool, run one transfer, and compare the reserved slots' hash."""
     conn.send("clear")
     conn.recv()
     move()
@@ -218,6 +220,7 @@ def check_lands(conn: Connection, move: Callable[[], None], expected: str, what:
 
 
 def bench_kv(tokens: int, warmup: int, reps: int) -> KvRow:
+    """The four methods over the same `tokens` positions, each in its own fresh pools."""
     layout = scattered_layout(tokens, seed=tokens)
     num_pages = tokens // PAGE_SIZE
     src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE)
@@ -338,7 +341,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("UCX_TLS", "sm,self")  # before any NIXL agent exists, inherited by children
     sizes = (1024, 8192) if args.quick else (1024, 4096, 8192)
-    kv_warmup, kv_reps = 1, 3 if args.quick else 7
+    kv_warmup, kv_reps = 1, (3 if args.quick else 7)
     ttft_reps = 3 if args.quick else 5
     transports = ("nixl",) if args.quick else ("nixl", "tcp")
 

@@ -78,22 +78,26 @@ class Daemon:
 
 
 @contextmanager
+def _running(module: str, stub_class, tmp_dir: Path, args: tuple[str, ...], env: dict[str, str] | None):
+    d = Daemon(module, list(args), tmp_dir / f"{module}_{free_port()}.log", env)
+    try:
+        d.wait_healthy()
+        d.stub = stub_class(d.channel)
+        yield d
+    finally:
+        d.stop()
+
+
 def decode_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None):
-    d = Daemon("decode_node", list(args), tmp_dir / f"decode_node_{free_port()}.log", env)
-    try:
-        d.wait_healthy()
-        d.stub = duet_pb2_grpc.DecodeNodeStub(d.channel)
-        yield d
-    finally:
-        d.stop()
+    """A healthy decode node daemon (`with decode_node(tmp) as d: d.stub.Generate(...)`)."""
+    return _running("decode_node", duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, env)
 
 
-@contextmanager
 def prefill_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None):
-    d = Daemon("prefill_node", list(args), tmp_dir / f"prefill_node_{free_port()}.log", env)
-    try:
-        d.wait_healthy()
-        d.stub = duet_pb2_grpc.PrefillNodeStub(d.channel)
-        yield d
-    finally:
-        d.stop()
+    """A healthy prefill node daemon."""
+    return _running("prefill_node", duet_pb2_grpc.PrefillNodeStub, tmp_dir, args, env)
+
+
+def router(tmp_dir: Path, *args: str):
+    """A healthy router daemon (`python -m common.router`); its stub is a DecodeNodeStub."""
+    return _running("common.router", duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, None)

@@ -15,6 +15,7 @@ before the writer is done.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import socket
@@ -127,6 +128,13 @@ class TcpKvReceiver:
 
     def _receive_writes(self, conn: socket.socket, segments: list[tuple[int, int]]) -> None:
         pool = self.pool
+        segments = sorted(segments)
+        starts = [start for start, _ in segments]
+
+        def granted(slot: int, n: int) -> bool:
+            i = bisect.bisect_right(starts, slot) - 1
+            return i >= 0 and slot + n <= segments[i][0] + segments[i][1]
+
         while True:
             (op,) = _recv_struct(conn, struct.Struct("<B"))
             if op == _OP_END:
@@ -134,7 +142,7 @@ class TcpKvReceiver:
             if op != _OP_WRITE:
                 raise ValueError(f"unknown frame type {op}")
             layer, kv, slot, n = _recv_struct(conn, _WRITE)
-            if not (layer < pool.num_layers and kv < 2 and any(s <= slot and slot + n <= s + c for s, c in segments)):
+            if not (layer < pool.num_layers and kv < 2 and n > 0 and granted(slot, n)):
                 _reply(conn, grpc.StatusCode.PERMISSION_DENIED,
                        f"write outside the reservation: layer {layer} kv {kv} slots [{slot}, {slot + n})")
                 raise ValueError("write outside the reservation")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/duet/v1/duet.proto\x12\x07\x64uet.v1\"\xd0\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"|\n\x0fGenerationChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"l\n\x15PrepareReceiveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1a\n\rkv_window_end\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_kv_window_end\"\xb6\x01\n\x16PrepareReceiveResponse\x12\x15\n\rprompt_length\x18\x01 \x01(\x03\x12\x1d\n\x15prefix_matched_length\x18\x02 \x01(\x03\x12\x1a\n\x12kv_append_metadata\x18\x03 \x03(\x03\x12\x15\n\rkv_window_end\x18\x04 \x01(\x03\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\x12\x16\n\x0etransfer_nonce\x18\x06 \x01(\x04\"p\n\x16StartGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fkv_window_begin\x18\x02 \x01(\x03\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.duet.v1.SamplingParams\"\xaf\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12&\n\x08messages\x18\x04 \x03(\x0b\x32\x14.duet.v1.ChatMessage\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParamsB\r\n\x0b_request_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"E\n\x17\x43ompleteTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_nonce\x18\x02 \x01(\x04\"\x1a\n\x18\x43ompleteTransferResponse\"\xa4\x01\n\x18\x43ompatibilityFingerprint\x12\x12\n\nmodel_hash\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\"d\n\x17GetTransportInfoRequest\x12\x36\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32!.duet.v1.CompatibilityFingerprint\x12\x11\n\ttransport\x18\x02 \x01(\t\"\xec\x01\n\rTransportInfo\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x36\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32!.duet.v1.CompatibilityFingerprint\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x13\n\x0btcp_address\x18\x04 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x05 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x06 \x01(\x0c\x12\x19\n\x11pool_base_address\x18\x07 \x01(\x04\x12\x17\n\x0fpool_size_bytes\x18\x08 \x01(\x04\"\xb6\x01\n\x11RemoteSendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0fkv_window_begin\x18\x03 \x01(\x03\x12\x15\n\rkv_window_end\x18\x04 \x01(\x03\x12\x1a\n\x12kv_append_metadata\x18\x05 \x03(\x03\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x16\n\x0etransfer_nonce\x18\x07 \x01(\x04\"\x89\x01\n\x12RemoteSendResponse\x12\x13\n\x0btokens_sent\x18\x01 \x01(\x03\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x03\x12\x12\n\nbytes_sent\x18\x03 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x32\xd0\x03\n\nDecodeNode\x12L\n\x10GetTransportInfo\x12 .duet.v1.GetTransportInfoRequest\x1a\x16.duet.v1.TransportInfo\x12Q\n\x0ePrepareReceive\x12\x1e.duet.v1.PrepareReceiveRequest\x1a\x1f.duet.v1.PrepareReceiveResponse\x12W\n\x10\x43ompleteTransfer\x12 .duet.v1.CompleteTransferRequest\x1a!.duet.v1.CompleteTransferResponse\x12N\n\x0fStartGeneration\x12\x1f.duet.v1.StartGenerationRequest\x1a\x18.duet.v1.GenerationChunk0\x01\x12@\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x18.duet.v1.GenerationChunk0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.duet.v1.AbortRequest\x1a\x16.duet.v1.AbortResponse2T\n\x0bPrefillNode\x12\x45\n\nRemoteSend\x12\x1a.duet.v1.RemoteSendRequest\x1a\x1b.duet.v1.RemoteSendResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/duet/v1/duet.proto\x12\x07\x64uet.v1\"\xd0\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"|\n\x0fGenerationChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xa6\x01\n\x08NodeLoad\x12\x16\n\x0ekv_pages_total\x18\x01 \x01(\x03\x12\x15\n\rkv_pages_free\x18\x02 \x01(\x03\x12\x19\n\x11kv_pages_reserved\x18\x03 \x01(\x03\x12\x17\n\x0fkv_pages_cached\x18\x04 \x01(\x03\x12\x18\n\x10running_requests\x18\x05 \x01(\x03\x12\x1d\n\x15queued_prefill_tokens\x18\x06 \x01(\x03\"l\n\x15PrepareReceiveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1a\n\rkv_window_end\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_kv_window_end\"\xb6\x01\n\x16PrepareReceiveResponse\x12\x15\n\rprompt_length\x18\x01 \x01(\x03\x12\x1d\n\x15prefix_matched_length\x18\x02 \x01(\x03\x12\x1a\n\x12kv_append_metadata\x18\x03 \x03(\x03\x12\x15\n\rkv_window_end\x18\x04 \x01(\x03\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\x12\x16\n\x0etransfer_nonce\x18\x06 \x01(\x04\"p\n\x16StartGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fkv_window_begin\x18\x02 \x01(\x03\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.duet.v1.SamplingParams\"\xaf\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12&\n\x08messages\x18\x04 \x03(\x0b\x32\x14.duet.v1.ChatMessage\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParamsB\r\n\x0b_request_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"E\n\x17\x43ompleteTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_nonce\x18\x02 \x01(\x04\"\x1a\n\x18\x43ompleteTransferResponse\"\xa4\x01\n\x18\x43ompatibilityFingerprint\x12\x12\n\nmodel_hash\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\"d\n\x17GetTransportInfoRequest\x12\x36\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32!.duet.v1.CompatibilityFingerprint\x12\x11\n\ttransport\x18\x02 \x01(\t\"\xec\x01\n\rTransportInfo\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x36\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32!.duet.v1.CompatibilityFingerprint\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x13\n\x0btcp_address\x18\x04 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x05 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x06 \x01(\x0c\x12\x19\n\x11pool_base_address\x18\x07 \x01(\x04\x12\x17\n\x0fpool_size_bytes\x18\x08 \x01(\x04\"\xb6\x01\n\x11RemoteSendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0fkv_window_begin\x18\x03 \x01(\x03\x12\x15\n\rkv_window_end\x18\x04 \x01(\x03\x12\x1a\n\x12kv_append_metadata\x18\x05 \x03(\x03\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x16\n\x0etransfer_nonce\x18\x07 \x01(\x04\"\x89\x01\n\x12RemoteSendResponse\x12\x13\n\x0btokens_sent\x18\x01 \x01(\x03\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x03\x12\x12\n\nbytes_sent\x18\x03 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x32\x87\x04\n\nDecodeNode\x12L\n\x10GetTransportInfo\x12 .duet.v1.GetTransportInfoRequest\x1a\x16.duet.v1.TransportInfo\x12Q\n\x0ePrepareReceive\x12\x1e.duet.v1.PrepareReceiveRequest\x1a\x1f.duet.v1.PrepareReceiveResponse\x12W\n\x10\x43ompleteTransfer\x12 .duet.v1.CompleteTransferRequest\x1a!.duet.v1.CompleteTransferResponse\x12N\n\x0fStartGeneration\x12\x1f.duet.v1.StartGenerationRequest\x1a\x18.duet.v1.GenerationChunk0\x01\x12@\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x18.duet.v1.GenerationChunk0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.duet.v1.AbortRequest\x1a\x16.duet.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x17.duet.v1.GetLoadRequest\x1a\x11.duet.v1.NodeLoad2\x8b\x01\n\x0bPrefillNode\x12\x45\n\nRemoteSend\x12\x1a.duet.v1.RemoteSendRequest\x1a\x1b.duet.v1.RemoteSendResponse\x12\x35\n\x07GetLoad\x12\x17.duet.v1.GetLoadRequest\x1a\x11.duet.v1.NodeLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,34 +39,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONCHUNK']._serialized_end=455
   _globals['_CHATMESSAGE']._serialized_start=457
   _globals['_CHATMESSAGE']._serialized_end=501
-  _globals['_PREPARERECEIVEREQUEST']._serialized_start=503
-  _globals['_PREPARERECEIVEREQUEST']._serialized_end=611
-  _globals['_PREPARERECEIVERESPONSE']._serialized_start=614
-  _globals['_PREPARERECEIVERESPONSE']._serialized_end=796
-  _globals['_STARTGENERATIONREQUEST']._serialized_start=798
-  _globals['_STARTGENERATIONREQUEST']._serialized_end=910
-  _globals['_GENERATEREQUEST']._serialized_start=913
-  _globals['_GENERATEREQUEST']._serialized_end=1088
-  _globals['_ABORTREQUEST']._serialized_start=1090
-  _globals['_ABORTREQUEST']._serialized_end=1124
-  _globals['_ABORTRESPONSE']._serialized_start=1126
-  _globals['_ABORTRESPONSE']._serialized_end=1141
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=1143
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=1212
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_start=1214
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_end=1240
-  _globals['_COMPATIBILITYFINGERPRINT']._serialized_start=1243
-  _globals['_COMPATIBILITYFINGERPRINT']._serialized_end=1407
-  _globals['_GETTRANSPORTINFOREQUEST']._serialized_start=1409
-  _globals['_GETTRANSPORTINFOREQUEST']._serialized_end=1509
-  _globals['_TRANSPORTINFO']._serialized_start=1512
-  _globals['_TRANSPORTINFO']._serialized_end=1748
-  _globals['_REMOTESENDREQUEST']._serialized_start=1751
-  _globals['_REMOTESENDREQUEST']._serialized_end=1933
-  _globals['_REMOTESENDRESPONSE']._serialized_start=1936
-  _globals['_REMOTESENDRESPONSE']._serialized_end=2073
-  _globals['_DECODENODE']._serialized_start=2076
-  _globals['_DECODENODE']._serialized_end=2540
-  _globals['_PREFILLNODE']._serialized_start=2542
-  _globals['_PREFILLNODE']._serialized_end=2626
+  _globals['_GETLOADREQUEST']._serialized_start=503
+  _globals['_GETLOADREQUEST']._serialized_end=519
+  _globals['_NODELOAD']._serialized_start=522
+  _globals['_NODELOAD']._serialized_end=688
+  _globals['_PREPARERECEIVEREQUEST']._serialized_start=690
+  _globals['_PREPARERECEIVEREQUEST']._serialized_end=798
+  _globals['_PREPARERECEIVERESPONSE']._serialized_start=801
+  _globals['_PREPARERECEIVERESPONSE']._serialized_end=983
+  _globals['_STARTGENERATIONREQUEST']._serialized_start=985
+  _globals['_STARTGENERATIONREQUEST']._serialized_end=1097
+  _globals['_GENERATEREQUEST']._serialized_start=1100
+  _globals['_GENERATEREQUEST']._serialized_end=1275
+  _globals['_ABORTREQUEST']._serialized_start=1277
+  _globals['_ABORTREQUEST']._serialized_end=1311
+  _globals['_ABORTRESPONSE']._serialized_start=1313
+  _globals['_ABORTRESPONSE']._serialized_end=1328
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=1330
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=1399
+  _globals['_COMPLETETRANSFERRESPONSE']._serialized_start=1401
+  _globals['_COMPLETETRANSFERRESPONSE']._serialized_end=1427
+  _globals['_COMPATIBILITYFINGERPRINT']._serialized_start=1430
+  _globals['_COMPATIBILITYFINGERPRINT']._serialized_end=1594
+  _globals['_GETTRANSPORTINFOREQUEST']._serialized_start=1596
+  _globals['_GETTRANSPORTINFOREQUEST']._serialized_end=1696
+  _globals['_TRANSPORTINFO']._serialized_start=1699
+  _globals['_TRANSPORTINFO']._serialized_end=1935
+  _globals['_REMOTESENDREQUEST']._serialized_start=1938
+  _globals['_REMOTESENDREQUEST']._serialized_end=2120
+  _globals['_REMOTESENDRESPONSE']._serialized_start=2123
+  _globals['_REMOTESENDRESPONSE']._serialized_end=2260
+  _globals['_DECODENODE']._serialized_start=2263
+  _globals['_DECODENODE']._serialized_end=2782
+  _globals['_PREFILLNODE']._serialized_start=2785
+  _globals['_PREFILLNODE']._serialized_end=2924
 # @@protoc_insertion_point(module_scope)

@@ -58,6 +58,26 @@ class ChatMessage(_message.Message):
     content: str
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeLoad(_message.Message):
+    __slots__ = ("kv_pages_total", "kv_pages_free", "kv_pages_reserved", "kv_pages_cached", "running_requests", "queued_prefill_tokens")
+    KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_pages_reserved: int
+    kv_pages_cached: int
+    running_requests: int
+    queued_prefill_tokens: int
+    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_reserved: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+
 class PrepareReceiveRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "kv_window_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

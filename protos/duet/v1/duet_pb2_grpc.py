@@ -64,6 +64,11 @@ class DecodeNodeStub:
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/duet.v1.DecodeNode/GetLoad',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -111,6 +116,13 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """Load report for routers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,6 +334,33 @@ class DecodeNode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeNode/GetLoad',
+            protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillNodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -332,6 +376,11 @@ class PrefillNodeStub:
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/duet.v1.PrefillNode/GetLoad',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.FromString,
+                _registered_method=True)
 
 
 class PrefillNodeServicer:
@@ -345,6 +394,13 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """Load report for routers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -352,6 +408,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.RemoteSend,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -381,6 +442,33 @@ class PrefillNode:
             '/duet.v1.PrefillNode/RemoteSend',
             protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.SerializeToString,
             protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.PrefillNode/GetLoad',
+            protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,88 @@
+"""Settings both daemons share, their command-line flags, and the optional JSON config file."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from common.transports import TRANSPORTS
+
+C = TypeVar("C", bound="DaemonConfig")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None
+    model: Path | None = None  # None = the embedded SmolLM2-135M-Instruct
+    transport: str = "nixl"
+    page_size: int = 16  # prefill and decode nodes must agree (checked in the handshake)
+    kv_pages: int = 1024  # 16k tokens at the default page size
+    max_batch_tokens: int = 512
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.kv_pages < 1 or self.max_batch_tokens < 1:
+            raise ValueError("--page-size, --kv-pages and --max-batch-tokens must be >= 1")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("--threads must be >= 1")
+
+
+def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argparse.ArgumentParser:
+    d = defaults
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", type=Path, help="JSON file of flag values (keys as flag names, '-' or '_'); "
+                   "flags given on the command line win")
+    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port, 0 = any free port (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--model", type=Path, default=None, help="a .gguf file or Hugging Face directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--transport", default=d.transport, choices=TRANSPORTS,
+                   help="KV data plane: NIXL's UCX backend or plain TCP (default %(default)s)")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (default %(default)s)")
+    p.add_argument("--kv-pages", type=int, default=d.kv_pages, help="pages in the KV pool (default %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="token budget of one engine step; longer prompts are chunked (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_config(parser: argparse.ArgumentParser, config_class: type[C], argv: list[str] | None) -> C:
+    """Parse flags (over values from `--config FILE`) into `config_class`; bad values exit with
+    a usage error naming the flag."""
+    known, _ = parser.parse_known_args(argv)
+    if known.config is not None:
+        parser.set_defaults(**_file_values(parser, known.config))
+    args = vars(parser.parse_args(argv))
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if k in fields}
+    try:
+        return config_class(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _file_values(parser: argparse.ArgumentParser, path: Path) -> dict:
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        parser.error(f"cannot read config file {path}: {exc}")
+    if not isinstance(values, dict):
+        parser.error(f"config file {path} must hold a JSON object")
+    dests = {a.dest for a in parser._actions}
+    out = {}
+    for key, value in values.items():
+        dest = key.lstrip("-").replace("-", "_")
+        if dest not in dests:
+            parser.error(f"config file {path}: unknown setting {key!r}")
+        out[dest] = value
+    return out

@@ -1,0 +1,42 @@
+"""Daemon flags and the optional JSON config file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decode_node.config import parse_args as decode_args
+from prefill_node.config import parse_args as prefill_args
+
+
+def test_config_file_values_are_overridden_by_flags(tmp_path):
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"page-size": 8, "kv_pages": 64, "prefill": ["p1:1"], "transport": "tcp"}))
+    c = decode_args(["--config", str(path), "--kv-pages", "128"])
+    assert (c.page_size, c.kv_pages, c.prefill, c.transport) == (8, 128, ("p1:1",), "tcp")
+
+
+def test_defaults():
+    d, p = decode_args([]), prefill_args([])
+    assert d.page_size == p.page_size == 16 and d.kv_pages * d.page_size >= 16_000
+    assert d.lease_seconds == 30.0 and d.transport == p.transport == "nixl" and d.prefill == ()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--page-size", "0"], "--page-size"),
+    (["--lease-seconds", "-1"], "--lease-seconds"),
+    (["--pd-balance", "1.5"], "--pd-balance"),
+    (["--transport", "carrier-pigeon"], "invalid choice"),
+])
+def test_bad_values_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        decode_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_unknown_config_file_key_is_an_error(tmp_path, capsys):
+    path = tmp_path / "prefill.json"
+    path.write_text(json.dumps({"page_sise": 8}))
+    with pytest.raises(SystemExit):
+        prefill_args(["--config", str(path)])
+    assert "unknown setting 'page_sise'" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""The TCP fallback's receiver: bytes land in exactly the granted slots; anything else is refused."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from common.errors import NotFound
+from common.kv_pool import KVPool
+from common.transports import TransferError
+from common.transports.kv_ranges import Piece
+from common.transports.tcp_transport import TcpKvReceiver, TcpKvSession, WriteGrant
+
+
+def _pools():
+    src = KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_pages=8, page_size=4)
+    src.data.copy_(torch.randn_like(src.data))
+    return src, KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_pages=8, page_size=4)
+
+
+def _receiver(dst: KVPool, segments, unpinned: list) -> TcpKvReceiver:
+    def authorize(request_id: str, nonce: int) -> WriteGrant:
+        if (request_id, nonce) != ("r", 7):
+            raise NotFound(f"no reservation {request_id!r}")
+        return WriteGrant(segments, lambda: unpinned.append(request_id))
+
+    return TcpKvReceiver(dst, authorize)
+
+
+def test_pieces_land_in_the_granted_slots():
+    src, dst = _pools()
+    unpinned: list = []
+    receiver = _receiver(dst, [(20, 5), (4, 3)], unpinned)
+    try:
+        pieces = [Piece(0, 20, 5), Piece(9, 4, 3)]
+        session = TcpKvSession(receiver.address, src, "r", 7)
+        for layer in range(3):
+            session.post_layer(layer, pieces)
+        session.finish()
+        for p in pieces:
+            assert torch.equal(dst.data[:, :, p.dst_slot : p.dst_slot + p.num_slots],
+                               src.data[:, :, p.src_slot : p.src_slot + p.num_slots])
+        untouched = torch.ones(dst.num_slots, dtype=torch.bool)
+        untouched[20:25] = untouched[4:7] = False
+        assert not dst.data[:, :, untouched].any()
+        assert unpinned == ["r"]  # the pin is dropped once the writer is done
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("request_id, nonce, pieces, code", [
+    ("r", 8, [Piece(0, 20, 5)], grpc.StatusCode.NOT_FOUND),
+    ("r", 7, [Piece(0, 21, 5)], grpc.StatusCode.PERMISSION_DENIED),  # one slot past the grant
+    ("r", 7, [Piece(0, 2, 3)], grpc.StatusCode.PERMISSION_DENIED),
+])
+def test_writes_outside_the_grant_are_refused(request_id, nonce, pieces, code):
+    src, dst = _pools()
+    receiver = _receiver(dst, [(20, 5), (4, 3)], [])
+    try:
+        session = TcpKvSession(receiver.address, src, request_id, nonce)
+        session.post_layer(0, pieces)
+        with pytest.raises(TransferError) as info:
+            session.finish()
+        assert info.value.code == code
+        assert not dst.data[:, :, :2].any() and not dst.data[:, :, 25:].any()
+    finally:
+        receiver.close()
+
+
+def test_unreachable_receiver_is_unavailable():
+    src, _ = _pools()
+    with pytest.raises(TransferError) as info:
+        TcpKvSession("127.0.0.1:1", src, "r", 7)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
