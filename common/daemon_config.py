@@ -25,6 +25,11 @@ class DaemonConfig:
     max_batch_tokens: int = 512
     threads: int | None = None  # torch intra-op threads; None = torch's default
     log_level: str = "info"
+    advertise_host: str = ""  # the host peers should dial; default --host
+
+    @property
+    def advertise_address(self) -> str:
+        return f"{self.advertise_host or self.host}:{self.port}"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_pages < 1 or self.max_batch_tokens < 1:
@@ -52,6 +57,9 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one engine step; longer prompts are chunked (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--advertise-host", default="", metavar="HOST",
+                   help="address other nodes should use to reach this one (default: --host); needed when "
+                   "listening on 0.0.0.0 or behind NAT")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 

@@ -13,8 +13,7 @@ from protos.duet.v1 import duet_pb2_grpc
 
 
 def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
-    if not config.advertise_address:  # with --port 0 only the bound port is known
-        config = dataclasses.replace(config, advertise_address=f"{config.host}:{daemon.port}")
+    config = dataclasses.replace(config, port=daemon.port)  # with --port 0 only the bound port is known
     node = DecodeNode(config, *load_model_and_tokenizer(config.model))
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node), daemon.server)
     return node

@@ -14,7 +14,6 @@ class DecodeNodeConfig(DaemonConfig):
     prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
     min_remote_prefill_tokens: int = 32
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
-    advertise_address: str = ""  # how prefill nodes reach this node; default host:port
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +40,4 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
     p.add_argument("--pd-balance", type=float, default=d.pd_balance, metavar="F",
                    help="prefill the last fraction F of each prompt here instead of on the prefill node "
                    "(default %(default)s)")
-    p.add_argument("--advertise-address", default="", metavar="HOST:PORT",
-                   help="address prefill nodes use to reach this node (default: --host:--port)")
     return parse_config(p, DecodeNodeConfig, argv)

@@ -22,20 +22,22 @@ class KvEndpoint(Protocol):
 class TcpEndpoint:
     transport = "tcp"
 
-    def __init__(self, pool: KVPool, authorize: Authorizer, host: str) -> None:
+    def __init__(self, pool: KVPool, authorize: Authorizer, host: str, advertise_host: str) -> None:
         self._receiver = TcpKvReceiver(pool, authorize, host=host)
+        self._advertise_host = advertise_host or host
 
     def info(self) -> pb.TransportInfo:
-        return pb.TransportInfo(transport=self.transport, tcp_address=self._receiver.address)
+        port = self._receiver.address.rsplit(":", 1)[1]
+        return pb.TransportInfo(transport=self.transport, tcp_address=f"{self._advertise_host}:{port}")
 
     def close(self) -> None:
         self._receiver.close()
 
 
-def open_endpoint(transport: str, pool: KVPool, authorize: Authorizer, host: str, name: str,
+def open_endpoint(transport: str, pool: KVPool, authorize: Authorizer, host: str, advertise_host: str, name: str,
                   transfers_pending: Callable[[], bool]) -> KvEndpoint:
     if transport == "tcp":
-        return TcpEndpoint(pool, authorize, host)
+        return TcpEndpoint(pool, authorize, host, advertise_host)
     if transport == "nixl":
         from decode_node.nixl_endpoint import NixlEndpoint
 

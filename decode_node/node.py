@@ -51,6 +51,7 @@ class DecodeNode:
         self.metrics = DecodeMetrics(self.engine, self.reservations)
         self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds)
         self.kv_endpoint = open_endpoint(config.transport, self.engine.pool, self.authorize_write, config.host,
+                                         config.advertise_host,
                                          name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}",
                                          transfers_pending=self.reservations.awaiting_transfer)
         self.scheduler.start()

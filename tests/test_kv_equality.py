@@ -25,7 +25,7 @@ def in_process_decode_node(request, model, tokenizer, monkeypatch):
         monkeypatch.setenv(key, value)
     server = grpc.server(futures.ThreadPoolExecutor(8))
     port = server.add_insecure_port("127.0.0.1:0")
-    config = DecodeNodeConfig(port=port, transport=request.param, kv_pages=128, advertise_address=f"127.0.0.1:{port}")
+    config = DecodeNodeConfig(port=port, transport=request.param, kv_pages=128)
     node = DecodeNode(config, model, tokenizer)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node), server)
     server.start()
