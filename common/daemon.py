@@ -16,7 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+from common.daemon_limits import CHANNEL_OPTIONS
+from common.tls import TlsFiles
+
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,18 +44,15 @@ def setup_logging(level: str = "info") -> None:
 class GrpcDaemon:
     """A gRPC server plus health/reflection/metrics, run until a termination signal."""
 
-    def __init__(self, host: str, port: int, max_workers: int = 64) -> None:
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers),
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+    def __init__(self, host: str, port: int, tls: TlsFiles = TlsFiles(), max_workers: int = 64) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
         self.address = f"{host}:{port}"
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(self.address)
+        if tls.enabled:
+            self.port = self.server.add_secure_port(self.address, tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}")
         self._stop = threading.Event()
@@ -98,7 +97,7 @@ def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], ob
     torch.set_grad_enabled(False)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    daemon = GrpcDaemon(config.host, config.port)
+    daemon = GrpcDaemon(config.host, config.port, config.tls)
     node = start(daemon, config)
     daemon.serve([service_name], metrics_registry=node.metrics.registry, metrics_port=config.metrics_port,
                  on_shutdown=node.shutdown)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from common.tls import TlsFiles
 from common.transports import TRANSPORTS
 
 C = TypeVar("C", bound="DaemonConfig")
@@ -26,6 +27,13 @@ class DaemonConfig:
     threads: int | None = None  # torch intra-op threads; None = torch's default
     log_level: str = "info"
     advertise_host: str = ""  # the host peers should dial; default --host
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # set: mutual TLS, peers must present a certificate signed by it
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
     def advertise_address(self) -> str:
@@ -38,6 +46,7 @@ class DaemonConfig:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("--threads must be >= 1")
+        self.tls.validate()
 
 
 def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argparse.ArgumentParser:
@@ -60,8 +69,16 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
     p.add_argument("--advertise-host", default="", metavar="HOST",
                    help="address other nodes should use to reach this one (default: --host); needed when "
                    "listening on 0.0.0.0 or behind NAT")
+    add_tls_args(p)
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
+
+
+def add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS and present it to peers")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA bundle: require and verify client certificates "
+                   "(mutual TLS) and verify peers' certificates")
 
 
 def parse_config(parser: argparse.ArgumentParser, config_class: type[C], argv: list[str] | None) -> C:

@@ -49,7 +49,7 @@ class DecodeNode:
         self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens)
         self.reservations = ReservationTable(self.engine, on_expire=lambda r: self.metrics.lease_expiries.inc())
         self.metrics = DecodeMetrics(self.engine, self.reservations)
-        self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds)
+        self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls)
         self.kv_endpoint = open_endpoint(config.transport, self.engine.pool, self.authorize_write, config.host,
                                          config.advertise_host,
                                          name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}",

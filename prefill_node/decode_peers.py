@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.daemon import MAX_MESSAGE_BYTES
+from common.tls import TlsFiles
 from common.errors import FailedPrecondition, InvalidArgument, RequestError, Unavailable
 from common.transports import TransferError
 from prefill_node.kv_push import KvPusher
@@ -29,8 +29,9 @@ class DecodePeer:
 
 
 class DecodePeers:
-    def __init__(self, fingerprint: pb.CompatibilityFingerprint, pusher: KvPusher) -> None:
+    def __init__(self, fingerprint: pb.CompatibilityFingerprint, pusher: KvPusher, tls: TlsFiles) -> None:
         self._fingerprint = fingerprint
+        self._tls = tls
         self._pusher = pusher
         self._peers: dict[str, DecodePeer] = {}
         self._lock = threading.Lock()
@@ -57,7 +58,7 @@ class DecodePeers:
     def _handshake(self, address: str) -> DecodePeer:
         if not address or ":" not in address:
             raise InvalidArgument(f"decode_address {address!r} must be host:port")
-        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        channel = self._tls.channel(address)
         stub = duet_pb2_grpc.DecodeNodeStub(channel)
         request = pb.GetTransportInfoRequest(fingerprint=self._fingerprint, transport=self._pusher.transport)
         try:

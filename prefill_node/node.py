@@ -33,7 +33,7 @@ class PrefillNode:
         self.pusher = open_pusher(config.transport, self.engine.pool,
                                   name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}",
                                   timeout_s=config.transfer_timeout_seconds)
-        self.peers = DecodePeers(self.fingerprint, self.pusher)
+        self.peers = DecodePeers(self.fingerprint, self.pusher, config.tls)
         self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens)
         self.metrics = PrefillMetrics(self.engine, self.scheduler)
         self.scheduler.start()

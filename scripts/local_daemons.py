@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.tls import TlsFiles
 from protos.duet.v1 import duet_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,16 +30,18 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 cpus: set[int] | None = None, tls: TlsFiles = TlsFiles()) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), *args]
+               "--metrics-port", str(self.metrics_port), *_tls_flags(tls), *args]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pin,
                                      env={**os.environ, **UCX_ENV, **(env or {}), "PYTHONUNBUFFERED": "1"})
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = tls.channel(self.address)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -77,9 +80,15 @@ class Daemon:
         return self.proc.returncode
 
 
+def _tls_flags(tls: TlsFiles) -> list[str]:
+    pairs = (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca))
+    return [part for flag, path in pairs if path is not None for part in (flag, str(path))]
+
+
 @contextmanager
-def _running(module: str, stub_class, tmp_dir: Path, args: tuple[str, ...], env: dict[str, str] | None):
-    d = Daemon(module, list(args), tmp_dir / f"{module}_{free_port()}.log", env)
+def _running(module: str, stub_class, tmp_dir: Path, args: tuple[str, ...], env: dict[str, str] | None,
+             cpus: set[int] | None = None, tls: TlsFiles = TlsFiles()):
+    d = Daemon(module, list(args), tmp_dir / f"{module}_{free_port()}.log", env, cpus, tls)
     try:
         d.wait_healthy()
         d.stub = stub_class(d.channel)
@@ -88,14 +97,17 @@ def _running(module: str, stub_class, tmp_dir: Path, args: tuple[str, ...], env:
         d.stop()
 
 
-def decode_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None):
-    """A healthy decode node daemon (`with decode_node(tmp) as d: d.stub.Generate(...)`)."""
-    return _running("decode_node", duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, env)
+def decode_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, cpus: set[int] | None = None,
+                tls: TlsFiles = TlsFiles()):
+    """A healthy decode node daemon (`with decode_node(tmp) as d: d.stub.Generate(...)`), optionally
+    pinned to `cpus`, optionally serving (m)TLS with `tls` (also used by the returned stub)."""
+    return _running("decode_node", duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, env, cpus, tls)
 
 
-def prefill_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None):
+def prefill_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, cpus: set[int] | None = None,
+                 tls: TlsFiles = TlsFiles()):
     """A healthy prefill node daemon."""
-    return _running("prefill_node", duet_pb2_grpc.PrefillNodeStub, tmp_dir, args, env)
+    return _running("prefill_node", duet_pb2_grpc.PrefillNodeStub, tmp_dir, args, env, cpus, tls)
 
 
 def router(tmp_dir: Path, *args: str):

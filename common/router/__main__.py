@@ -14,11 +14,13 @@ import threading
 from pathlib import Path
 
 from common.daemon import GrpcDaemon, setup_logging
+from common.daemon_config import add_tls_args
 from common.default_model import default_model_path
 from common.router.hand_off import Router
 from common.router.membership import Membership
 from common.router.prefill_pool import PrefillPool
 from common.router.service import RouterService
+from common.tls import TlsFiles
 from common.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2_grpc
 
@@ -38,8 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=32)
     p.add_argument("--poll-seconds", type=float, default=1.0, help="health/load polling period")
+    add_tls_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    try:
+        args.tls.validate()
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def watch_members(path: Path, decode: Membership, prefill: PrefillPool, stop: threading.Event, period: float) -> None:
@@ -60,9 +69,9 @@ def watch_members(path: Path, decode: Membership, prefill: PrefillPool, stop: th
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
-    daemon = GrpcDaemon(args.host, args.port)
-    decode = Membership(duet_pb2_grpc.DecodeNodeStub, args.decode, args.poll_seconds)
-    prefill = PrefillPool(args.prefill, args.poll_seconds)
+    daemon = GrpcDaemon(args.host, args.port, args.tls)
+    decode = Membership(duet_pb2_grpc.DecodeNodeStub, args.decode, args.poll_seconds, tls=args.tls)
+    prefill = PrefillPool(args.prefill, args.poll_seconds, tls=args.tls)
     router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill, args.min_remote_prefill_tokens)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
     stop = threading.Event()

@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from common.daemon import MAX_MESSAGE_BYTES
+from common.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,9 @@ class Member(Generic[StubT]):
 
 class Membership(Generic[StubT]):
     def __init__(self, stub_class: type[StubT], addresses: list[str] = (), poll_seconds: float = 1.0,
-                 rpc_timeout_s: float = 2.0) -> None:
+                 rpc_timeout_s: float = 2.0, tls: TlsFiles = TlsFiles()) -> None:
         self._stub_class = stub_class
+        self._tls = tls
         self._members: dict[str, Member[StubT]] = {}
         self._lock = threading.Lock()
         self._poll_seconds = poll_seconds
@@ -52,9 +53,7 @@ class Membership(Generic[StubT]):
         with self._lock:
             if address in self._members:
                 return
-            channel = grpc.insecure_channel(address, options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            channel = self._tls.channel(address)
             member = self._members[address] = Member(address, channel, self._stub_class(channel))
         self.refresh(member)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from common.router.membership import Member, Membership
+from common.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
@@ -23,8 +24,9 @@ _FINAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.Stat
 
 
 class PrefillPool(Membership[duet_pb2_grpc.PrefillNodeStub]):
-    def __init__(self, addresses: list[str] = (), poll_seconds: float = 1.0, timeout_s: float = 30.0) -> None:
-        super().__init__(duet_pb2_grpc.PrefillNodeStub, addresses, poll_seconds)
+    def __init__(self, addresses: list[str] = (), poll_seconds: float = 1.0, timeout_s: float = 30.0,
+                 tls: TlsFiles = TlsFiles()) -> None:
+        super().__init__(duet_pb2_grpc.PrefillNodeStub, addresses, poll_seconds, tls=tls)
         self._timeout_s = timeout_s
 
     def by_load(self) -> list[Member]:
