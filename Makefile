@@ -24,6 +24,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m scripts.bench_engine
+	$(PY) -m scripts.bench_transfer
+	$(PY) -m scripts.bench_serving --output-dir docs/bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -62,7 +62,7 @@ def main() -> int:
             colocated = run_benchmark(BenchmarkConfig(target=dn.address, **config))
     print(format_table(disagg, colocated))
     tpot = disagg.summary.tpot_ms.p99 / colocated.summary.tpot_ms.p99
-    goodput = disagg.summary.goodput / max(colocated.summary.goodput, 1e-9)
+    goodput = disagg.summary.goodput / colocated.summary.goodput if colocated.summary.goodput else float("inf")
     print(f"p99 TPOT disaggregated/colocated: {tpot:.2f}x (goal <= 0.3x: {'PASS' if tpot <= 0.3 else 'MISS'})")
     print(f"goodput at ttft<={SLO_MS['ttft']:.0f}ms tpot<={SLO_MS['tpot']:.0f}ms disaggregated/colocated: "
           f"{goodput:.2f}x (goal >= 2x: {'PASS' if goodput >= 2 else 'MISS'})")
