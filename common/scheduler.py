@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
 from common.detokenizer import IncrementalDetokenizer
 from common.engine import Engine, Sequence
+from common.engine_loop import EngineLoop
 from common.page_allocator import OutOfPages
 from common.sampling import Sampler, SamplingParams
 from common.tokenizer import Tokenizer
@@ -70,35 +70,22 @@ class RequestHandle:
             return None
 
 
-class Scheduler:
+class Scheduler(EngineLoop):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512) -> None:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
-        self.engine = engine
+        super().__init__(engine, name="scheduler")
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
-        self.lock = engine.lock
-        self._wakeup = threading.Condition(self.lock)
         self._active: list[_Request] = []  # admission order
         self._aborts: set[str] = set()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     # ---- public API (any thread) ----
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Abort everything still running and stop the loop."""
-        with self._wakeup:
-            self._stopped = True
-            self._wakeup.notify()
-        self._thread.join()
-        with self.lock:
-            for r in self._active:
-                self._finish(r, [], "", "abort")
-            self._active.clear()
+    def _on_stop(self) -> None:
+        """Abort everything still running."""
+        for r in list(self._active):
+            self._finish(r, [], "", "abort")
 
     def submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
         """Queue `seq` (its first `num_computed` positions already in the pool) for generation."""
@@ -111,7 +98,7 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError("the scheduler is shutting down")
             self._active.append(r)
-            self._wakeup.notify()
+            self.notify()
         return RequestHandle(request_id, r.outputs)
 
     def abort(self, request_id: str) -> bool:
@@ -120,7 +107,7 @@ class Scheduler:
             if not any(r.request_id == request_id for r in self._active):
                 return False
             self._aborts.add(request_id)
-            self._wakeup.notify()
+            self.notify()
             return True
 
     def is_active(self, request_id: str) -> bool:
@@ -138,30 +125,28 @@ class Scheduler:
 
     # ---- the loop ----
 
-    def _loop(self) -> None:
-        while True:
-            with self._wakeup:
-                while not self._active and not self._stopped:
-                    self._wakeup.wait()
-                if self._stopped:
-                    return
-                self._apply_aborts()
-                work = self._plan_step()
-            if not work:
-                time.sleep(0.001)
-                continue
-            try:
-                logits = self.engine.forward([(r.seq, n) for r, n in work])
-            except Exception as exc:  # a bug or a bad model state must not kill the daemon
-                log.exception("forward failed")
-                with self.lock:
-                    for r, _ in work:
-                        self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
-                continue
+    def _has_work(self) -> bool:
+        return bool(self._active)
+
+    def _step(self) -> None:
+        with self.lock:
+            self._apply_aborts()
+            work = self._plan_step()
+        if not work:
+            time.sleep(0.001)
+            return
+        try:
+            logits = self.engine.forward([(r.seq, n) for r, n in work])
+        except Exception as exc:  # a bug or a bad model state must not kill the daemon
+            log.exception("forward failed")
             with self.lock:
-                for (r, _), row in zip(work, logits):
-                    if r.seq.num_pending == 0:
-                        self._emit_token(r, r.sampler.sample(row))
+                for r, _ in work:
+                    self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
+            return
+        with self.lock:
+            for (r, _), row in zip(work, logits):
+                if r.seq.num_pending == 0:
+                    self._emit_token(r, r.sampler.sample(row))
 
     def _apply_aborts(self) -> None:
         for r in [r for r in self._active if r.request_id in self._aborts]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.engine import Engine, Sequence
+from common.engine_loop import EngineLoop
 from common.errors import Internal, RequestError, ResourceExhausted, Unavailable
 from common.kv_metadata import encode_segments
 from common.page_allocator import OutOfPages
@@ -55,41 +56,30 @@ class PrefillJob:
         return plan_pieces(src, [(dst[1 + 2 * i], dst[2 + 2 * i]) for i in range(dst[0])])
 
 
-class PrefillScheduler:
+class PrefillScheduler(EngineLoop):
     def __init__(self, engine: Engine, max_batch_tokens: int) -> None:
-        self.engine = engine
+        super().__init__(engine, name="prefill-scheduler")
         self.max_batch_tokens = max_batch_tokens
-        self._wakeup = threading.Condition(engine.lock)
         self._jobs: list[PrefillJob] = []  # admitted (pages reserved), in arrival order
         self._waiting: list[PrefillJob] = []  # waiting for pages
         self._in_flight: list[PrefillJob] = []  # in the forward running now
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._wakeup:
-            self._stopped = True
-            self._wakeup.notify()
-        self._thread.join()
-        with self.engine.lock:
-            for job in self._jobs + self._waiting:
-                job.error = Unavailable("the prefill node is shutting down")
-                job.prefilled.set()
-            self._jobs.clear()
-            self._waiting.clear()
+    def _on_stop(self) -> None:
+        for job in self._jobs + self._waiting:
+            job.error = Unavailable("the prefill node is shutting down")
+            job.prefilled.set()
+        self._jobs.clear()
+        self._waiting.clear()
 
     def submit(self, job: PrefillJob) -> None:
-        with self._wakeup:
+        with self.lock:
             self._waiting.append(job)
-            self._wakeup.notify()
+            self.notify()
 
     def release(self, job: PrefillJob, cache: bool) -> None:
         """Drop the job and its pages. A job inside the running forward is released when that
         forward ends, so its pages are never handed out while the model still writes them."""
-        with self._wakeup:
+        with self.lock:
             for queue in (self._jobs, self._waiting):
                 if job in queue:
                     queue.remove(job)
@@ -126,43 +116,41 @@ class PrefillScheduler:
             for layer in range(self.engine.pool.num_layers):
                 job.session.post_layer(layer, cached)
 
-    def _loop(self) -> None:
-        while True:
-            with self._wakeup:
-                while not (self._jobs or self._waiting) and not self._stopped:
-                    self._wakeup.wait()
-                if self._stopped:
-                    return
-                self._admit()
-                work, budget = [], self.max_batch_tokens
-                for job in self._jobs:
-                    n = min(job.seq.num_pending, budget)
-                    if n == 0:
-                        break
-                    work.append((job, n, job.pieces(self.engine, job.seq.num_computed, job.seq.num_computed + n)))
-                    budget -= n
-                self._in_flight = [job for job, _, _ in work]
-            if not work:
-                time.sleep(0.001)
-                continue
+    def _has_work(self) -> bool:
+        return bool(self._jobs or self._waiting)
 
-            def push(layer: int) -> None:
-                for job, _, pieces in work:
-                    if pieces:
-                        job.session.post_layer(layer, pieces)
+    def _step(self) -> None:
+        with self.lock:
+            self._admit()
+            work, budget = [], self.max_batch_tokens
+            for job in self._jobs:
+                n = min(job.seq.num_pending, budget)
+                if n == 0:
+                    break
+                work.append((job, n, job.pieces(self.engine, job.seq.num_computed, job.seq.num_computed + n)))
+                budget -= n
+            self._in_flight = [job for job, _, _ in work]
+        if not work:
+            time.sleep(0.001)
+            return
 
-            try:
-                self.engine.forward([(job.seq, n) for job, n, _ in work], on_layer_done=push)
-            except Exception as exc:
-                log.exception("prefill forward failed")
-                for job, _, _ in work:
-                    job.error = Internal(f"prefill failed: {exc}")
-            with self.engine.lock:
-                self._in_flight = []
-                for job, _, _ in work:
-                    if job.cancelled:
-                        self.engine.release(job.seq, cache=False)
-                    elif job.error or job.seq.num_pending == 0:
-                        if job in self._jobs:
-                            self._jobs.remove(job)
-                        job.prefilled.set()
+        def push(layer: int) -> None:
+            for job, _, pieces in work:
+                if pieces:
+                    job.session.post_layer(layer, pieces)
+
+        try:
+            self.engine.forward([(job.seq, n) for job, n, _ in work], on_layer_done=push)
+        except Exception as exc:
+            log.exception("prefill forward failed")
+            for job, _, _ in work:
+                job.error = Internal(f"prefill failed: {exc}")
+        with self.lock:
+            self._in_flight = []
+            for job, _, _ in work:
+                if job.cancelled:
+                    self.engine.release(job.seq, cache=False)
+                elif job.error or job.seq.num_pending == 0:
+                    if job in self._jobs:
+                        self._jobs.remove(job)
+                    job.prefilled.set()
