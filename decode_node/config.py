@@ -9,6 +9,7 @@ from common.daemon_config import DaemonConfig, daemon_parser, parse_config
 @dataclass(frozen=True)
 class DecodeNodeConfig(DaemonConfig):
     lease_seconds: float = 30.0
+    max_requests: int = 256  # generating or waiting to; more are refused with RESOURCE_EXHAUSTED
     # Fraction of the pool PrepareReceive leaves free for running decodes to grow into.
     admission_watermark: float = 0.05
     prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
@@ -19,6 +20,8 @@ class DecodeNodeConfig(DaemonConfig):
         super().__post_init__()
         if self.lease_seconds <= 0:
             raise ValueError("--lease-seconds must be > 0")
+        if self.max_requests < 1:
+            raise ValueError("--max-requests must be >= 1")
         if not 0 <= self.admission_watermark < 1:
             raise ValueError("--admission-watermark must be in [0, 1)")
         if not 0 <= self.pd_balance < 1:
@@ -31,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                       "decode; serves duet.v1.DecodeNode over gRPC.", d)
     p.add_argument("--lease-seconds", type=float, default=d.lease_seconds,
                    help="how long a PrepareReceive reservation lives unclaimed (default %(default)s)")
+    p.add_argument("--max-requests", type=int, default=d.max_requests,
+                   help="requests generating or queued to; beyond it new ones get RESOURCE_EXHAUSTED at once "
+                   "(default %(default)s)")
     p.add_argument("--admission-watermark", type=float, default=d.admission_watermark,
                    help="fraction of pages PrepareReceive keeps free for running decodes (default %(default)s)")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",

@@ -93,6 +93,19 @@ class DecodeNode:
         if request_id in self.reservations or self.scheduler.is_active(request_id):
             raise AlreadyExists(f"request {request_id!r} is still live; use a new request_id or Abort it first")
 
+    def _check_capacity(self) -> None:
+        if self.scheduler.num_active() + len(self.reservations) >= self.config.max_requests:
+            raise ResourceExhausted(f"{self.config.max_requests} requests are already running, queued or "
+                                    "reserved here (--max-requests); retry later")
+
+    def _submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
+        """Hand a sequence to the scheduler unless it is full (called with the lock held)."""
+        if self.scheduler.num_active() >= self.config.max_requests:
+            self.engine.release(seq, cache=False)
+            raise ResourceExhausted(f"{self.config.max_requests} requests are already running or queued "
+                                    "here (--max-requests); retry later")
+        return self.scheduler.submit(request_id, seq, params)
+
     # ---- the three-call flow ----
 
     def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None) -> PreparedReceive:
@@ -107,6 +120,7 @@ class DecodeNode:
                                   f"{n}-token prompt (the decode node computes at least the last token)")
         with self.engine.lock:
             self._check_unused(request_id)
+            self._check_capacity()
             seq = self.engine.new_sequence(request_id, tokens)
             matched = seq.num_computed
             try:
@@ -187,7 +201,7 @@ class DecodeNode:
                 raise FailedPrecondition(f"the KV transfer for {request_id!r} has not completed yet")
             self.reservations.claim(request_id)
             r.seq.num_computed = max(r.prefix_matched, r.end)
-            return self.scheduler.submit(request_id, r.seq, params)
+            return self._submit(request_id, r.seq, params)
 
     def generate(self, request_id: str | None, token_ids: Seq[int], params: SamplingParams) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
@@ -195,6 +209,8 @@ class DecodeNode:
         request_id = request_id or uuid.uuid4().hex
         self._check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
+        with self.engine.lock:
+            self._check_capacity()
         if self.prefill_pool.healthy() and self._worth_remote(tokens):
             handle = self._generate_remote(request_id, tokens, params)
             if handle is not None:
@@ -203,7 +219,7 @@ class DecodeNode:
             self._check_unused(request_id)
             seq = self.engine.new_sequence(request_id, tokens)
             self.metrics.prefix_hit_tokens.inc(seq.num_computed)
-            return self.scheduler.submit(request_id, seq, params)
+            return self._submit(request_id, seq, params)
 
     def _worth_remote(self, tokens: list[int]) -> bool:
         with self.engine.lock:

@@ -40,6 +40,9 @@ class ReservationTable:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._sweep_loop, name="lease-sweeper", daemon=True)
 
+    def __len__(self) -> int:
+        return len(self._by_id)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
 
