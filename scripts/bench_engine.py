@@ -26,7 +26,11 @@ Usage: python -m scripts.bench_engine [--quick] [--json FILE]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import inspect
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -57,18 +61,28 @@ class Row:
     verdict: str  # "PASS", "MISS" or ""
 
 
-def median_time(fn: Callable[[], object], warmup: int, iters: int, before: Callable[[], object] | None = None) -> float:
-    """Median wall time of `fn` in seconds; `before` runs untimed ahead of every call."""
-    times = []
-    for i in range(warmup + iters):
-        if before is not None:
-            before()
+class Timed:
+    """A benchmark side: `fn` is timed, `before` (optional) runs untimed ahead of each call."""
+
+    def __init__(self, fn: Callable[[], object], before: Callable[[], object] | None = None) -> None:
+        self.fn, self.before, self.times = fn, before, []
+
+    def once(self, record: bool) -> None:
+        if self.before is not None:
+            self.before()
         start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-    return statistics.median(times)
+        self.fn()
+        if record:
+            self.times.append(time.perf_counter() - start)
+
+
+def paired_medians(ours: Timed, theirs: Timed, warmup: int, iters: int) -> tuple[float, float]:
+    """Median seconds of each side. The sides alternate call by call, so load from other
+    processes on the machine slows both alike instead of skewing the ratio."""
+    for i in range(warmup + iters):
+        ours.once(record=i >= warmup)
+        theirs.once(record=i >= warmup)
+    return statistics.median(ours.times), statistics.median(theirs.times)
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -76,7 +90,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.
     return torch.randint(0, vocab, (batch, length), generator=gen)
 
 
-def prefill_ours(model: LlamaModel, prompt: list[int], warmup: int, iters: int) -> float:
+def prefill_ours(model: LlamaModel, prompt: list[int]) -> Timed:
     engine = Engine(model, num_pages=-(-len(prompt) // PAGE_SIZE) + 1, page_size=PAGE_SIZE)
     seq = engine.new_sequence("bench", prompt, use_prefix_cache=False)
 
@@ -84,17 +98,17 @@ def prefill_ours(model: LlamaModel, prompt: list[int], warmup: int, iters: int) 
         engine.release(seq, cache=False)
         engine.reserve(seq, len(prompt))
 
-    return median_time(lambda: engine.forward([(seq, len(prompt))]), warmup, iters, before=fresh)
+    return Timed(lambda: engine.forward([(seq, len(prompt))]), before=fresh)
 
 
-def prefill_theirs(hf, prompt: list[int], warmup: int, iters: int) -> float:
+def prefill_theirs(hf, prompt: list[int]) -> Timed:
     ids = torch.tensor([prompt])
-    return median_time(lambda: hf(ids, use_cache=True, logits_to_keep=1), warmup, iters)
+    return Timed(lambda: hf(ids, use_cache=True, logits_to_keep=1))
 
 
-def decode_ours(model: LlamaModel, prompts: torch.Tensor, warmup: int, iters: int) -> float:
+def decode_ours(model: LlamaModel, prompts: torch.Tensor, steps: int) -> Timed:
+    """One-token steps for every sequence; pages for `steps` more tokens reserved up front."""
     batch, length = prompts.shape
-    steps = warmup + iters
     per_seq = -(-(length + steps) // PAGE_SIZE)
     engine = Engine(model, num_pages=batch * per_seq, page_size=PAGE_SIZE)
     seqs = [engine.new_sequence(f"s{i}", prompts[i].tolist(), use_prefix_cache=False) for i in range(batch)]
@@ -110,29 +124,34 @@ def decode_ours(model: LlamaModel, prompts: torch.Tensor, warmup: int, iters: in
         nonlocal logits
         logits = engine.forward([(seq, 1) for seq in seqs])
 
-    return median_time(step, warmup, iters, before=append_next)
+    return Timed(step, before=append_next)
 
 
-def decode_theirs(hf, prompts: torch.Tensor, warmup: int, iters: int) -> float:
+def decode_theirs(hf, prompts: torch.Tensor) -> Timed:
+    """One-token steps on the DynamicCache of one batched prefill."""
     out = hf(prompts, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    logits = out.logits[:, -1]
+    cache, logits = out.past_key_values, out.logits[:, -1]
+    # transformers 5.x renamed the forward's `past_key_values` argument to `cache`.
+    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
     def step() -> None:
         nonlocal logits
         next_ids = logits.argmax(-1, keepdim=True)
-        logits = hf(next_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = hf(next_ids, use_cache=True, **{cache_arg: cache}).logits[:, -1]
 
-    return median_time(step, warmup, iters)
+    return Timed(step)
 
 
-def load_models() -> tuple[LlamaModel, object]:
-    from transformers import AutoModelForCausalLM
+def load_models() -> tuple[LlamaModel, torch.nn.Module]:
+    import transformers
 
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     path = default_model_path()
     ours = LlamaModel(load_checkpoint(path))
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return ours, hf
+    with contextlib.redirect_stderr(io.StringIO()):  # the GGUF de-quantization progress bar
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return ours, hf.eval()
 
 
 def run(quick: bool) -> list[Row]:
@@ -147,39 +166,33 @@ def run(quick: bool) -> list[Row]:
     with torch.inference_mode():
         for n in prefill_lengths:
             prompt = random_prompts(1, n, vocab)[0].tolist()
-            # Long prompts are slow; fewer iterations keep the run short.
-            w, it = (1, 3) if n >= 2048 else (warmup, iters)
-            a = n / prefill_ours(ours, prompt, w, it)
-            b = n / prefill_theirs(hf, prompt, w, it)
-            ok = a / b >= PREFILL_GOAL
-            rows.append(Row("prefill", n, a, b, a / b, f">= {PREFILL_GOAL}x", "PASS" if ok else "MISS"))
-            print(f"  prefill {n:5d}: ours {a:9.1f} tok/s, transformers {b:9.1f} tok/s", flush=True)
+            w, it = (1, 3) if n >= 2048 else (warmup, iters)  # long prompts: fewer, slow iterations
+            t_ours, t_theirs = paired_medians(prefill_ours(ours, prompt), prefill_theirs(hf, prompt), w, it)
+            a, b = n / t_ours, n / t_theirs
+            verdict = "PASS" if a / b >= PREFILL_GOAL else "MISS"
+            rows.append(Row("prefill", n, a, b, a / b, f">= {PREFILL_GOAL}x", verdict))
+            print(f"  prefill {n:5d} tok: ours {a:8.1f} tok/s, transformers {b:8.1f} tok/s", flush=True)
         for bsz in decode_batches:
             prompts = random_prompts(bsz, DECODE_CONTEXT, vocab, seed=bsz)
-            a = 1e3 * decode_ours(ours, prompts, decode_warmup, decode_iters)
-            b = 1e3 * decode_theirs(hf, prompts, decode_warmup, decode_iters)
+            sides = decode_ours(ours, prompts, decode_warmup + decode_iters), decode_theirs(hf, prompts)
+            a, b = (1e3 * t for t in paired_medians(*sides, decode_warmup, decode_iters))
             goal, verdict = "", ""
             if bsz == DECODE_GOAL_BATCH:
                 goal, verdict = f"<= {DECODE_GOAL}x", "PASS" if a / b <= DECODE_GOAL else "MISS"
             rows.append(Row("decode", bsz, a, b, a / b, goal, verdict))
-            print(f"  decode  B={bsz:3d}: ours {a:8.2f} ms/step, transformers {b:8.2f} ms/step", flush=True)
+            print(f"  decode  B={bsz:3d}:     ours {a:8.2f} ms/step, transformers {b:8.2f} ms/step", flush=True)
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = [
-        f"{'measure':<28} {'ours':>10} {'transformers':>13} {'ratio':>7}  {'goal':<9} {'':<4}",
-        "-" * 77,
-    ]
+    lines = [f"{'measure':<32} {'ours':>9} {'transformers':>13} {'ratio':>7}  {'goal':<8} result", "-" * 80]
     for r in rows:
         if r.kind == "prefill":
-            label, unit = f"prefill {r.size} tok (tok/s)", "higher"
-            fmt = "{:>10.1f} {:>13.1f}"
+            label, nums = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:>9.1f} {r.theirs:>13.1f}"
         else:
-            label, unit = f"decode B={r.size}, ctx {DECODE_CONTEXT} (ms/step)", "lower"
-            fmt = "{:>10.2f} {:>13.2f}"
-        lines.append(f"{label:<28} " + fmt.format(r.ours, r.theirs) + f" {r.ratio:>6.2f}x  {r.goal:<9} {r.verdict:<4}")
-    lines.append("ratio = ours/transformers: prefill higher is better, decode lower is better")
+            label, nums = f"decode B={r.size}, ctx {DECODE_CONTEXT} (ms/step)", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
+        lines.append(f"{label:<32} {nums} {r.ratio:>6.2f}x  {r.goal:<8} {r.verdict}".rstrip())
+    lines.append("ratio = ours / transformers: prefill higher is better, decode lower is better")
     return "\n".join(lines)
 
 
@@ -191,10 +204,15 @@ def main() -> None:
 
     started = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; measuring...", flush=True)
+    load_before = os.getloadavg()[0]
     rows = run(args.quick)
+    load_after = os.getloadavg()[0]
     print()
     print(format_table(rows))
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    print(f"\ntotal {time.perf_counter() - started:.0f} s; 1-min load average {load_before:.1f} before, {load_after:.1f} after")
+    if max(load_before, load_after) > (os.cpu_count() or 1) + 0.5:
+        print("warning: other processes were busy on this machine; absolute numbers are noisy "
+              "(the sides alternate, so ratios are less affected)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "decode_context": DECODE_CONTEXT,

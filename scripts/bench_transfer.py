@@ -3,9 +3,11 @@
 (A) KV transfer, GB/s, one host. The shape is SmolLM2-135M's (30 layers, 3 KV heads, head dim
 64, fp32: 46,080 bytes per token over all layers, K and V) with 16-token pages. For 1k / 4k / 8k
 tokens a prefill-shaped pool in this process and a decode-shaped pool in a second process
-(multiprocessing ``spawn``, ``UCX_TLS=sm,self``) are each just big enough, and the sequence's
-pages are a random permutation on both sides: the worst scatter, every piece is one page, so a
-transfer is ``pages x 30 layers x 2 (K|V)`` ranges of 12 KiB. All four methods move the same bytes:
+(multiprocessing ``spawn``, ``UCX_TLS=sm,self``) are each just big enough. Two page layouts:
+*contiguous*, what the FIFO page allocator hands a fresh pool (consecutive pages on both sides,
+one piece per layer and K|V), and *scattered*, a random page permutation on both sides (the
+worst case: every piece is one page, ``pages x 30 layers x 2 (K|V)`` ranges of 12 KiB). All
+four methods move the same bytes:
 
 - NIXL path: the product code. ``NixlPusher`` (prefill_node/nixl_push.py) opens a session, the
   pieces are posted per layer (one NIXL WRITE per layer, one descriptor per piece and K|V, from
@@ -76,6 +78,7 @@ TTFT_PROMPT_TOKENS = 1000
 
 @dataclass
 class KvRow:
+    layout: str
     tokens: int
     megabytes: float
     descriptors: int  # in all writes of one NIXL-path transfer
@@ -185,6 +188,15 @@ def scattered_layout(tokens: int, seed: int) -> Layout:
     return Layout(src_slots, dst_segments, plan_pieces(src_slots, dst_segments))
 
 
+def contiguous_layout(tokens: int, seed: int) -> Layout:
+    """Consecutive pages on both sides, as a fresh pool's allocator gives them."""
+    slots = list(range(tokens))
+    return Layout(slots, [(0, tokens)], plan_pieces(slots, [(0, tokens)]))
+
+
+LAYOUTS = {"contiguous": contiguous_layout, "scattered": scattered_layout}
+
+
 def slots_of(pages: list[int]) -> list[int]:
     return [p * PAGE_SIZE + o for p in pages for o in range(PAGE_SIZE)]
 
@@ -219,9 +231,9 @@ def check_lands(conn: Connection, move: Callable[[], None], expected: str, what:
         raise RuntimeError(f"{what}: the decode pool does not hold the source KV after a transfer")
 
 
-def bench_kv(tokens: int, warmup: int, reps: int) -> KvRow:
+def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int) -> KvRow:
     """The four methods over the same `tokens` positions, each in its own fresh pools."""
-    layout = scattered_layout(tokens, seed=tokens)
+    layout = LAYOUTS[layout_name](tokens, seed=tokens)
     num_pages = tokens // PAGE_SIZE
     src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE)
     src.data.uniform_()
@@ -255,7 +267,7 @@ def bench_kv(tokens: int, warmup: int, reps: int) -> KvRow:
 
     gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
     vs_raw, vs_memcpy = gbps["nixl_path"] / gbps["raw_nixl"], gbps["nixl_path"] / gbps["memcpy"]
-    return KvRow(tokens, nbytes / 1e6, NUM_LAYERS * 2 * len(layout.pieces), **gbps,
+    return KvRow(layout_name, tokens, nbytes / 1e6, NUM_LAYERS * 2 * len(layout.pieces), **gbps,
                  path_vs_raw=vs_raw, path_vs_memcpy=vs_memcpy,
                  raw_verdict=verdict(vs_raw >= RAW_GOAL), memcpy_verdict=verdict(vs_memcpy >= MEMCPY_GOAL))
 
@@ -318,7 +330,7 @@ def format_table(kv: list[KvRow], ttft: list[TtftRow], kv_reps: int, ttft_reps: 
         "-" * 108,
     ]
     for r in kv:
-        label = f"{r.tokens:>5} tok {r.megabytes:6.1f} MB {r.descriptors:>6} descr"
+        label = f"{r.layout[:6]} {r.tokens:>5} tok {r.megabytes:5.0f} MB {r.descriptors:>5} descr"
         lines.append(f"{label:<36} {r.nixl_path:>9.2f} {r.tcp:>6.2f} {r.memcpy:>7.2f} {r.raw_nixl:>9.2f}"
                      f"   {r.path_vs_raw:>6.2f}x {r.raw_verdict:<12}"
                      f"   {r.path_vs_memcpy:>6.2f}x {r.memcpy_verdict}")
@@ -350,9 +362,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, UCX_TLS={os.environ['UCX_TLS']}; "
           "measuring...", flush=True)
     kv = []
-    for tokens in sizes:
-        kv.append(row := bench_kv(tokens, kv_warmup, kv_reps))
-        print(f"  KV {tokens:5d} tok: NIXL path {row.nixl_path:.2f}, TCP {row.tcp:.2f}, memcpy {row.memcpy:.2f}, "
+    for layout_name, tokens in ((name, tokens) for name in LAYOUTS for tokens in sizes):
+        kv.append(row := bench_kv(layout_name, tokens, kv_warmup, kv_reps))
+        print(f"  KV {layout_name} {tokens:5d} tok: NIXL path {row.nixl_path:.2f}, TCP {row.tcp:.2f}, memcpy {row.memcpy:.2f}, "
               f"raw NIXL {row.raw_nixl:.2f} GB/s", flush=True)
     ttft = []
     rng = random.Random(20240601)
