@@ -174,7 +174,7 @@ class DecodeNode:
             with self.engine.lock:
                 self.engine.allocator.decref(pages)
 
-        return WriteGrant(r.segments, unpin)
+        return WriteGrant(r.segments, unpin, alive=lambda: self.reservations.get(request_id) is r)
 
     def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str) -> pb.TransportInfo:
         ours = fingerprint_of(self.engine.model, self.engine.pool)

@@ -23,5 +23,6 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
     p = daemon_parser("python -m prefill_node", "duet prefill node: computes prompts' KV and writes it into "
                       "decode nodes' reserved pages; serves duet.v1.PrefillNode over gRPC.", d)
     p.add_argument("--transfer-timeout-seconds", type=float, default=d.transfer_timeout_seconds,
-                   help="give up on a KV transfer after this long (default %(default)s)")
+                   help="the longest one RemoteSend (prefill plus transfer) may take; keep it at most the "
+                   "decode nodes' --lease-seconds (default %(default)s)")
     return parse_config(p, PrefillNodeConfig, argv)

@@ -17,7 +17,8 @@ class KvPusher(Protocol):
 
     def disconnect(self, address: str) -> None: ...
 
-    def open(self, address: str, request_id: str, nonce: int) -> TransferSession: ...
+    def open(self, address: str, request_id: str, nonce: int, timeout_s: float) -> TransferSession:
+        """A session whose transfer must be done within `timeout_s` of now."""
 
     def close(self) -> None: ...
 
@@ -25,9 +26,8 @@ class KvPusher(Protocol):
 class TcpPusher:
     transport = "tcp"
 
-    def __init__(self, pool: KVPool, timeout_s: float) -> None:
+    def __init__(self, pool: KVPool) -> None:
         self._pool = pool
-        self._timeout_s = timeout_s
         self._receivers: dict[str, str] = {}  # decode gRPC address -> its KV receiver address
 
     def connect(self, address: str, info: pb.TransportInfo) -> None:
@@ -39,18 +39,18 @@ class TcpPusher:
     def disconnect(self, address: str) -> None:
         self._receivers.pop(address, None)
 
-    def open(self, address: str, request_id: str, nonce: int) -> TransferSession:
-        return TcpKvSession(self._receivers[address], self._pool, request_id, nonce, self._timeout_s)
+    def open(self, address: str, request_id: str, nonce: int, timeout_s: float) -> TransferSession:
+        return TcpKvSession(self._receivers[address], self._pool, request_id, nonce, timeout_s)
 
     def close(self) -> None:
         self._receivers.clear()
 
 
-def open_pusher(transport: str, pool: KVPool, name: str, timeout_s: float) -> KvPusher:
+def open_pusher(transport: str, pool: KVPool, name: str) -> KvPusher:
     if transport == "tcp":
-        return TcpPusher(pool, timeout_s)
+        return TcpPusher(pool)
     if transport == "nixl":
         from prefill_node.nixl_push import NixlPusher
 
-        return NixlPusher(pool, name, timeout_s)
+        return NixlPusher(pool, name)
     raise ValueError(f"unknown transport {transport!r}")

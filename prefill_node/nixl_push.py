@@ -77,10 +77,9 @@ class NixlSession:
 class NixlPusher:
     transport = "nixl"
 
-    def __init__(self, pool: KVPool, name: str, timeout_s: float) -> None:
+    def __init__(self, pool: KVPool, name: str) -> None:
         self._pool = pool
         self._initiator = NixlInitiator(name, pool.data)
-        self._timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
 
     def connect(self, address: str, info: pb.TransportInfo) -> None:
@@ -96,8 +95,8 @@ class NixlPusher:
         if peer is not None:
             self._initiator.disconnect(peer.agent_name)
 
-    def open(self, address: str, request_id: str, nonce: int) -> NixlSession:
-        return NixlSession(self._initiator, self._pool, self._peers[address], self._timeout_s)
+    def open(self, address: str, request_id: str, nonce: int, timeout_s: float) -> NixlSession:
+        return NixlSession(self._initiator, self._pool, self._peers[address], timeout_s)
 
     def close(self) -> None:
         self._initiator.close()

@@ -31,8 +31,7 @@ class PrefillNode:
         self.engine = Engine(model, config.kv_pages, config.page_size)
         self.fingerprint = fingerprint_of(model, self.engine.pool)
         self.pusher = open_pusher(config.transport, self.engine.pool,
-                                  name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}",
-                                  timeout_s=config.transfer_timeout_seconds)
+                                  name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
         self.peers = DecodePeers(self.fingerprint, self.pusher, config.tls)
         self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens)
         self.metrics = PrefillMetrics(self.engine, self.scheduler)
@@ -65,7 +64,11 @@ class PrefillNode:
             raise InvalidArgument(f"the prompt has {n} tokens; the model's context holds {cfg.max_position_embeddings}")
 
     def remote_send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
-        """Prefill `token_ids[:end]` and push K/V of `[begin, end)` into the decode node's slots."""
+        """Prefill `token_ids[:end]` and push K/V of `[begin, end)` into the decode node's slots.
+
+        The whole call (prefill and transfer) is bounded by --transfer-timeout-seconds, and by the
+        caller's deadline `timeout_s` when that is sooner: the decode node's lease bounds the
+        hand-off anyway, so the two should agree."""
         self._validate(req)
         begin, end = req.kv_window_begin, req.kv_window_end
         metadata = list(req.kv_append_metadata)
@@ -82,7 +85,7 @@ class PrefillNode:
             raise InvalidArgument(f"kv_append_metadata does not fit decode node {req.decode_address}: {exc}") from None
         started = time.perf_counter()
         try:
-            session = self.pusher.open(req.decode_address, req.request_id, req.transfer_nonce)
+            session = self.pusher.open(req.decode_address, req.request_id, req.transfer_nonce, timeout_s)
         except TransferError as exc:
             self.peers.drop(req.decode_address)
             raise Unavailable(str(exc)) from None
@@ -118,7 +121,9 @@ class PrefillNode:
         try:
             session.finish()
         except TransferError as exc:
-            if exc.code == grpc.StatusCode.UNAVAILABLE:
+            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or exc.in_flight:
+                # A dead or stalled peer: forget its endpoint, so the next request re-handshakes
+                # instead of reusing a connection that may still carry this transfer's bytes.
                 self.peers.drop(req.decode_address)
             raise RequestError(str(exc), exc.code) from None
         try:

@@ -203,7 +203,7 @@ def slots_of(pages: list[int]) -> list[int]:
 
 def push_all_layers(pusher: KvPusher, layout: Layout) -> None:
     """One transfer as RemoteSend makes it: open, post every layer's pieces, finish."""
-    session = pusher.open(PEER, "bench", 0)
+    session = pusher.open(PEER, "bench", 0, TRANSFER_TIMEOUT_S)
     for layer in range(NUM_LAYERS):
         session.post_layer(layer, layout.pieces)
     session.finish()
@@ -244,10 +244,10 @@ def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int) -> KvRow:
 
     with ExitStack() as stack:
         conn, (nixl_info, tcp_info) = stack.enter_context(decode_process(num_pages, layout.dst_segments))
-        nixl = open_pusher("nixl", src, f"bench-prefill-{tokens}", TRANSFER_TIMEOUT_S)
+        nixl = open_pusher("nixl", src, f"bench-prefill-{tokens}")
         stack.callback(nixl.close)
         nixl.connect(PEER, nixl_info)
-        tcp = open_pusher("tcp", src, "", TRANSFER_TIMEOUT_S)
+        tcp = open_pusher("tcp", src, "")
         stack.callback(tcp.close)
         tcp.connect(PEER, tcp_info)
         raw = stack.enter_context(NixlInitiator(f"bench-raw-{tokens}", src.data))

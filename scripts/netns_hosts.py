@@ -21,7 +21,8 @@ Creating namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2;
 :func:`netns_unavailable_reason` tries it and says why not.
 
 The daemons run under ``ip netns exec NS python -m MODULE --host ... --advertise-host ADDR``
-with UCX over TCP pinned to the host's veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=duet0``).
+with UCX over TCP pinned to the host's veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=duet0``,
+``UCX_TCP_PORT_RANGE=51000-51999``).
 
 Command line (root):
 
@@ -49,7 +50,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -59,6 +60,7 @@ from scripts.local_daemons import ROOT, Daemon
 SUBNET_PREFIX = "10.77"
 ROOT_HOST_OCTET = 254  # the bridge's own address: where the test process sits
 IFNAME = "duet0"  # every host's veth, as seen inside its namespace
+UCX_TCP_PORT_RANGE = "51000-51999"
 LOCK_FILE = Path("/run/duet-netns.lock")
 NS_PATTERN = re.compile(r"^duet-(\d+)-[0-9a-f]{3}-")
 LINK_PATTERN = re.compile(r"^d[bv](\d+)-[0-9a-f]{3}")
@@ -119,6 +121,9 @@ def cleanup_stale() -> list[str]:
         name = line.split()[0] if line.split() else ""
         m = NS_PATTERN.match(name)
         if m and not _pid_alive(int(m.group(1))):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():  # orphaned daemons of that run
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", name, check=False)
             removed.append(name)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
@@ -147,11 +152,13 @@ class Host:
         return ["ip", "netns", "exec", self.netns, *cmd]
 
     def run(self, *cmd: str, timeout: float = 60, input: bytes | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(self.exec_args(*cmd), capture_output=True, timeout=timeout, input=input, cwd=ROOT)
+        return subprocess.run(self.exec_args(*cmd), capture_output=True, timeout=timeout, input=input, cwd=ROOT,
+                              preexec_fn=die_with_parent)
 
     def ucx_env(self) -> dict[str, str]:
-        """UCX over TCP, on this host's veth only (no shared memory: the peers are 'remote')."""
-        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.ifname}
+        """UCX over TCP, on this host's veth only (no shared memory: the peers are 'remote'),
+        its listening ports from a fixed range as a firewall would need (deploy/kubernetes)."""
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.ifname, "UCX_TCP_PORT_RANGE": UCX_TCP_PORT_RANGE}
 
     def link_down(self) -> None:
         """Cut this host off the network (its veth goes down; loopback stays up)."""
@@ -266,6 +273,15 @@ class Network:
                 _ip("link", "del", link, check=False)
 
 
+def die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the process that started it dies (a killed test run
+    leaves no daemon behind; `ip netns exec` keeps the setting across its exec)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class NetnsDaemon(Daemon):
     """A daemon module running inside `host`'s namespace, listening on `listen` (default: the
     host's address) and advertising the host's address to its peers."""
@@ -277,11 +293,12 @@ class NetnsDaemon(Daemon):
         self.port, self.metrics_port = port, metrics_port
         self.address = f"{host.address}:{port}"
         self.log_path = log_path
+        advertise_args = ["--advertise-host", host.address] if advertise else []
         cmd = host.exec_args(sys.executable, "-m", module, "--host", listen or host.address, "--port", str(port),
-                             "--metrics-port", str(metrics_port), *(["--advertise-host", host.address] if advertise else []),
-                             *args)
+                             "--metrics-port", str(metrics_port), *advertise_args, *args)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=die_with_parent,
                                      env={**os.environ, **host.ucx_env(), **(env or {}), "PYTHONUNBUFFERED": "1"})
         self.channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
 

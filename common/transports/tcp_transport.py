@@ -11,7 +11,8 @@ slice they belong to (no staging copy). Wire format (little-endian):
 
 While a connection writes into a reservation, the receiver holds an extra reference on its
 pages (`pin`), so a lease that expires mid-transfer cannot hand those pages to another request
-before the writer is done.
+before the writer is done. A writer that goes silent keeps them only while the reservation is
+alive: once it is gone, a stall of POLL_S drops the connection and the pin.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,10 +38,14 @@ log = logging.getLogger(__name__)
 
 _MAGIC = b"DKV1"
 _BEGIN = struct.Struct("<4sHQ")
+_OP = struct.Struct("<B")
 _WRITE = struct.Struct("<HBQI")
 _REPLY = struct.Struct("<BI")
 _OP_WRITE, _OP_END = 1, 2
 MAX_REQUEST_ID_BYTES = 1024
+BEGIN_TIMEOUT_S = 10.0  # a connection must say which reservation it writes within this
+POLL_S = 1.0  # how often a receiver waiting for bytes checks its reservation is still alive
+REFUSAL_WAIT_S = 1.0
 
 
 @dataclass
@@ -49,23 +55,31 @@ class WriteGrant:
 
     segments: list[tuple[int, int]]
     unpin: Callable[[], None]
+    alive: Callable[[], bool] = lambda: True  # whether the reservation still exists
 
 
 # authorize(request_id, nonce) -> WriteGrant, or raises RequestError (its status reaches the sender).
 Authorizer = Callable[[str, int], WriteGrant]
 
 
-def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+def _recv_exact(sock: socket.socket, buf: memoryview, alive: Callable[[], bool] | None = None) -> None:
+    """Fill `buf`. With `alive`, a socket timeout is a chance to give up on a stalled writer
+    whose reservation is gone; without it, a timeout is an error."""
     while buf.nbytes:
-        n = sock.recv_into(buf)
+        try:
+            n = sock.recv_into(buf)
+        except TimeoutError:
+            if alive is not None and alive():
+                continue
+            raise ConnectionError("the writer stalled and its reservation is gone") from None
         if n == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         buf = buf[n:]
 
 
-def _recv_struct(sock: socket.socket, st: struct.Struct) -> tuple:
+def _recv_struct(sock: socket.socket, st: struct.Struct, alive: Callable[[], bool] | None = None) -> tuple:
     raw = bytearray(st.size)
-    _recv_exact(sock, memoryview(raw))
+    _recv_exact(sock, memoryview(raw), alive)
     return st.unpack(raw)
 
 
@@ -107,6 +121,7 @@ class TcpKvReceiver:
         try:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(BEGIN_TIMEOUT_S)
                 magic, id_len, nonce = _recv_struct(conn, _BEGIN)
                 if magic != _MAGIC or id_len > MAX_REQUEST_ID_BYTES:
                     raise ValueError("not a duet KV transfer")
@@ -117,7 +132,8 @@ class TcpKvReceiver:
                 except RequestError as exc:
                     _reply(conn, exc.code, str(exc))
                     return
-                self._receive_writes(conn, grant.segments)
+                conn.settimeout(POLL_S)
+                self._receive_writes(conn, grant)
                 _reply(conn, grpc.StatusCode.OK, "")
         except Exception as exc:  # a broken sender must not take the receiver down
             log.warning("KV transfer failed", extra={"fields": {"error": str(exc)}})
@@ -126,9 +142,9 @@ class TcpKvReceiver:
                 grant.unpin()
             self._slots.release()
 
-    def _receive_writes(self, conn: socket.socket, segments: list[tuple[int, int]]) -> None:
-        pool = self.pool
-        segments = sorted(segments)
+    def _receive_writes(self, conn: socket.socket, grant: WriteGrant) -> None:
+        pool, alive = self.pool, grant.alive
+        segments = sorted(grant.segments)
         starts = [start for start, _ in segments]
 
         def granted(slot: int, n: int) -> bool:
@@ -136,17 +152,17 @@ class TcpKvReceiver:
             return i >= 0 and slot + n <= segments[i][0] + segments[i][1]
 
         while True:
-            (op,) = _recv_struct(conn, struct.Struct("<B"))
+            (op,) = _recv_struct(conn, _OP, alive)
             if op == _OP_END:
                 return
             if op != _OP_WRITE:
                 raise ValueError(f"unknown frame type {op}")
-            layer, kv, slot, n = _recv_struct(conn, _WRITE)
+            layer, kv, slot, n = _recv_struct(conn, _WRITE, alive)
             if not (layer < pool.num_layers and kv < 2 and n > 0 and granted(slot, n)):
                 _reply(conn, grpc.StatusCode.PERMISSION_DENIED,
                        f"write outside the reservation: layer {layer} kv {kv} slots [{slot}, {slot + n})")
                 raise ValueError("write outside the reservation")
-            _recv_exact(conn, _writable_bytes(pool.data[layer, kv, slot : slot + n]))
+            _recv_exact(conn, _writable_bytes(pool.data[layer, kv, slot : slot + n]), alive)
 
 
 def _reply(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
@@ -164,6 +180,7 @@ class TcpKvSession:
     def __init__(self, address: str, pool: KVPool, request_id: str, nonce: int, timeout_s: float = 30.0) -> None:
         host, port = address.rsplit(":", 1)
         self._pool = pool
+        self._deadline = time.monotonic() + timeout_s
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         except OSError as exc:
@@ -179,19 +196,24 @@ class TcpKvSession:
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
         for kv in (0, 1):
             for p in pieces:
-                header = struct.pack("<B", _OP_WRITE) + _WRITE.pack(layer, kv, p.dst_slot, p.num_slots)
+                header = _OP.pack(_OP_WRITE) + _WRITE.pack(layer, kv, p.dst_slot, p.num_slots)
                 self._queue.put(header)
                 self._queue.put(self._pool.data[layer, kv, p.src_slot : p.src_slot + p.num_slots])
 
     def finish(self) -> None:
         """Send END and wait for the receiver's verdict; raises TransferError."""
-        self._queue.put(struct.pack("<B", _OP_END))
+        self._queue.put(_OP.pack(_OP_END))
         self._queue.put(None)
         self._thread.join()
         try:
+            # After a failed send only a refusal already on its way is worth reading.
+            self._sock.settimeout(REFUSAL_WAIT_S if self._error else self._remaining())
             status, length = _recv_struct(self._sock, _REPLY)
             message = bytearray(length)
             _recv_exact(self._sock, memoryview(message))
+        except TimeoutError:
+            raise TransferError(f"the KV transfer missed its deadline: {self._error or 'no confirmation'}",
+                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except (OSError, ConnectionError) as exc:
             raise TransferError(f"the KV receiver did not confirm the transfer: {self._error or exc}") from None
         finally:
@@ -204,11 +226,16 @@ class TcpKvSession:
         self._queue.put(None)
         self._sock.close()
 
+    def _remaining(self) -> float:
+        """Seconds left before the transfer's deadline (a sliver at least, so a timeout fires)."""
+        return max(0.001, self._deadline - time.monotonic())
+
     def _send_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if self._error is not None:
                 continue
             try:
+                self._sock.settimeout(self._remaining())
                 self._sock.sendall(item if isinstance(item, bytes) else _writable_bytes(item))
             except OSError as exc:
                 self._error = exc  # keep draining; finish() reports it (after reading any reply)
