@@ -51,3 +51,7 @@ class DeadlineExceeded(RequestError):
 
 class Internal(RequestError):
     code = grpc.StatusCode.INTERNAL
+
+
+class Cancelled(RequestError):
+    code = grpc.StatusCode.CANCELLED

@@ -6,12 +6,13 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from common.engine import Engine, Sequence
 from common.fingerprint import fingerprint_of, mismatch
-from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from common.errors import AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from common.kv_metadata import decode_segments, encode_segments
 from common.model import LlamaModel
 from common.page_allocator import OutOfPages
@@ -156,6 +157,14 @@ class DecodeNode:
             raise PermissionDenied(f"transfer_nonce does not match the one issued for {request_id!r}")
         return r
 
+    def begin_transfer(self, request_id: str, nonce: int, metadata: list[int]) -> None:
+        with self.engine.lock:
+            r = self._reservation_for_writer(request_id, nonce)
+            if r.complete:
+                raise FailedPrecondition(f"the transfer for {request_id!r} already completed")
+            if metadata[:1] != [len(r.segments)] or decode_segments(metadata) != r.segments:
+                raise InvalidArgument(f"kv_append_metadata does not match the slots reserved for {request_id!r}")
+
     def complete_transfer(self, request_id: str, nonce: int) -> None:
         with self.engine.lock:
             self._reservation_for_writer(request_id, nonce).complete = True
@@ -203,18 +212,21 @@ class DecodeNode:
             r.seq.num_computed = max(r.prefix_matched, r.end)
             return self._submit(request_id, r.seq, params)
 
-    def generate(self, request_id: str | None, token_ids: Seq[int], params: SamplingParams) -> RequestHandle:
+    def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
+                 cancelled: Callable[[], bool] = lambda: False) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
-        when no prefill node delivers) prefill locally, reusing the prefix cache either way."""
-        request_id = request_id or uuid.uuid4().hex
+        when no prefill node delivers) prefill locally, reusing the prefix cache either way.
+        `cancelled` tells whether the caller gave up (then nothing more is started)."""
         self._check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
         with self.engine.lock:
             self._check_capacity()
         if self.prefill_pool.healthy() and self._worth_remote(tokens):
-            handle = self._generate_remote(request_id, tokens, params)
+            handle = self._generate_remote(request_id, tokens, params, cancelled)
             if handle is not None:
                 return handle
+        if cancelled():
+            raise Cancelled(f"request {request_id!r} was cancelled by the client")
         with self.engine.lock:
             self._check_unused(request_id)
             seq = self.engine.new_sequence(request_id, tokens)
@@ -227,7 +239,8 @@ class DecodeNode:
             self.engine.allocator.decref(pages)
         return len(tokens) - 1 - matched >= self.config.min_remote_prefill_tokens
 
-    def _generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams) -> RequestHandle | None:
+    def _generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams,
+                         cancelled: Callable[[], bool]) -> RequestHandle | None:
         """PrepareReceive, RemoteSend, StartGeneration; None if the KV did not arrive."""
         end = min(int((1 - self.config.pd_balance) * len(tokens)), len(tokens) - 1)
         try:
@@ -239,7 +252,8 @@ class DecodeNode:
                 request_id=request_id, token_ids=tokens, kv_window_begin=p.prefix_matched_length,
                 kv_window_end=p.kv_window_end, kv_append_metadata=p.kv_append_metadata,
                 decode_address=self.config.advertise_address, transfer_nonce=p.transfer_nonce)
-            if self.prefill_pool.push(request, still_wanted=lambda: request_id in self.reservations) is None:
+            wanted = lambda: request_id in self.reservations and not cancelled()  # noqa: E731
+            if self.prefill_pool.push(request, still_wanted=wanted) is None or cancelled():
                 with self.engine.lock:
                     self.reservations.release(request_id)
                 return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -45,6 +46,13 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         except RequestError as exc:
             self._fail(context, "GetTransportInfo", exc)
 
+    def BeginTransfer(self, request: pb.BeginTransferRequest, context) -> pb.BeginTransferResponse:
+        try:
+            self.node.begin_transfer(request.request_id, request.transfer_nonce, list(request.kv_append_metadata))
+        except RequestError as exc:
+            self._fail(context, "BeginTransfer", exc)
+        return pb.BeginTransferResponse()
+
     def CompleteTransfer(self, request: pb.CompleteTransferRequest, context) -> pb.CompleteTransferResponse:
         try:
             self.node.complete_transfer(request.request_id, request.transfer_nonce)
@@ -66,8 +74,8 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         try:
             params = sampling_from_proto(request.sampling, self.node.vocab_size)
             tokens = prompt_token_ids(request, self.node.tokenizer)
-            rid = request.request_id if request.HasField("request_id") else None
-            handle = self.node.generate(rid, tokens, params)
+            rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+            handle = self.node.generate(rid, tokens, params, cancelled=lambda: not context.is_active())
         except RequestError as exc:
             self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)
@@ -83,8 +91,10 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         return pb.AbortResponse()
 
     def _stream(self, rpc: str, handle: RequestHandle, context, received: float) -> Iterator[pb.GenerationChunk]:
-        """Relay chunks until the request finishes; a cancelled call aborts the request."""
-        context.add_callback(lambda: self.node.scheduler.abort(handle.request_id))
+        """Relay chunks until the request finishes. A call cancelled at any point (even before
+        this generator first runs, or while gRPC no longer pulls it) aborts the request."""
+        if not context.add_callback(lambda: self.node.scheduler.abort(handle.request_id)):
+            self.node.scheduler.abort(handle.request_id)  # the call already ended
         first = None
         while True:
             chunk = handle.next_chunk(timeout=0.5)

@@ -84,6 +84,14 @@ class PrefillNode:
         except MetadataError as exc:
             raise InvalidArgument(f"kv_append_metadata does not fit decode node {req.decode_address}: {exc}") from None
         started = time.perf_counter()
+        try:  # before any byte moves: NIXL writes land wherever they are aimed
+            peer.stub.BeginTransfer(pb.BeginTransferRequest(
+                request_id=req.request_id, transfer_nonce=req.transfer_nonce, kv_append_metadata=metadata),
+                timeout=max(0.1, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.peers.drop(req.decode_address)
+            raise RequestError(f"decode node {req.decode_address}: {exc.details()}", exc.code()) from None
         try:
             session = self.pusher.open(req.decode_address, req.request_id, req.transfer_nonce, timeout_s)
         except TransferError as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -69,6 +70,12 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
     return _REFERENCE[key]
 
 
+import sys
+_T0 = time.monotonic()
+def trace(*a):
+    print(f"[{time.monotonic() - _T0:7.2f}]", *a, file=sys.stderr, flush=True)
+
+
 def drain(stream) -> tuple[list[int], pb.GenerationChunk | None]:
     tokens, last = [], None
     for chunk in stream:
@@ -106,6 +113,7 @@ def _spawn(module: str, args: list[str], tmp: Path, port: int | None = None) -> 
 def _ready(d: Daemon, stub_class) -> Daemon:
     d.wait_healthy()
     d.stub = stub_class(d.channel)
+    d.ready_at = time.monotonic()
     return d
 
 
@@ -148,6 +156,11 @@ class Cluster:
         for d, stub_class in ((self.pn, duet_pb2_grpc.PrefillNodeStub), (self.dn, duet_pb2_grpc.DecodeNodeStub)):
             if getattr(d, "stub", None) is None:
                 _ready(d, stub_class)
+
+    def wait_prefill_pool(self) -> None:
+        """Let the decode node's prefill pool see the prefill node (it polls every second), so that
+        Generate hands long prompts over instead of prefilling them locally."""
+        time.sleep(max(0.0, self.dn.ready_at + 1.5 - time.monotonic()))
 
     def spawn_decode(self) -> Daemon:
         """A second decode node, starting in the background (to replace `dn` later)."""
@@ -290,6 +303,11 @@ def prefill_running(c: Cluster) -> bool:
     return c.pn.stub.GetLoad(pb.GetLoadRequest(), timeout=5).running_requests > 0
 
 
+def handing_off(c: Cluster) -> bool:
+    """A Generate is between its PrepareReceive and its StartGeneration."""
+    return c.dn.stub.GetLoad(pb.GetLoadRequest(), timeout=5).kv_pages_reserved > 0
+
+
 def still_serves(c: Cluster, model, seed: int) -> None:
     """A fresh three-call flow gives the single-node tokens, then both nodes are clean."""
     prompt = _ids(40, seed)
@@ -346,6 +364,31 @@ def test_abort_during_start_generation_stream(c, model):
     wait_clean(c.dn, c.pn)
 
 
+def test_abort_during_generate_hand_off(c, model, request):
+    """Abort while Generate waits for the prefill node: the stream must end as aborted."""
+    request.applymarker(pytest.mark.xfail(strict=True, reason=(
+        "BUG: decode_node/node.py DecodeNode.generate(): Abort releases the reservation of _generate_remote, whose "
+        "RemoteSend then fails (NOT_FOUND), so _generate_remote returns None and generate() falls back to local "
+        "prefill under the same request_id: the aborted request runs to completion as if never aborted")))
+    prompt = _ids(150, 38)  # 64+ tokens: handed to the prefill node (5 steps of 32 there)
+    c.wait_prefill_pool()
+    stream = c.dn.stub.Generate(pb.GenerateRequest(request_id="abort-hand-off", token_ids=prompt,
+                                                   sampling=greedy(8)), timeout=RPC_TIMEOUT_S)
+    try:
+        wait_until(lambda: handing_off(c), 10, "Generate reserved pages for the hand-off")
+        c.dn.stub.Abort(pb.AbortRequest(request_id="abort-hand-off"), timeout=10)
+        try:
+            tokens, last = drain(stream)
+            outcome = last.finish_reason if last is not None else "no chunk"
+        except grpc.RpcError as exc:
+            outcome = exc.code()
+        assert outcome in ("abort", grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND), \
+            f"the aborted request finished with {outcome!r}"
+        wait_clean(c.dn, c.pn)
+    finally:
+        stream.cancel()
+
+
 def test_client_cancels_generate_while_streaming(c, model):
     prompt = _ids(30, 36)  # shorter than --min-remote-prefill-tokens: prefilled locally
     stream = c.dn.stub.Generate(pb.GenerateRequest(request_id="cancel-stream", token_ids=prompt,
@@ -356,22 +399,42 @@ def test_client_cancels_generate_while_streaming(c, model):
     wait_clean(c.dn, c.pn)
 
 
-def test_client_cancels_generate_during_remote_prefill(c, model, request):
-    request.applymarker(pytest.mark.xfail(strict=True, reason=(
-        "BUG: decode_node/service.py DecodeNodeService._stream registers its abort callback only after "
-        "the (blocking) remote prefill in node.generate(); a cancel that came earlier makes "
-        "context.add_callback() return False, gRPC stops pulling the generator after the first chunk "
-        "and the request keeps decoding (and holding its pages) until max_tokens")))
+def test_client_cancels_generate_during_remote_prefill(c, model):
     prompt = _ids(80, 37)  # handed to the prefill node (3 steps of 32 tokens there)
+    c.wait_prefill_pool()
     stream = c.dn.stub.Generate(pb.GenerateRequest(request_id="cancel-prefill", token_ids=prompt,
                                                    sampling=greedy(100_000)), timeout=RPC_TIMEOUT_S)
     try:
-        wait_until(lambda: prefill_running(c), 10, "the prefill node started")
+        wait_until(lambda: handing_off(c), 10, "Generate reserved pages for the hand-off")
         stream.cancel()
         wait_until(lambda: not prefill_running(c), 10, "the prefill node finished")
         wait_clean(c.dn, c.pn, timeout=5)
     finally:  # if the generation survived the cancel, stop it so later tests get the CPU back
         code_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id="cancel-prefill"), timeout=10))
+
+
+def test_refused_remote_send_writes_nothing(c, model):
+    """A RemoteSend the decode node refuses (unknown request id, made-up nonce) aimed at the slots
+    of finished request A, whose full pages sit in the prefix cache: A's KV must stay intact."""
+    prompt = _ids(40, 39)
+    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="victim", token_ids=prompt), timeout=10)
+    remote_send(c, "victim", prompt, r)
+    tokens, _ = drain(c.dn.stub.StartGeneration(pb.StartGenerationRequest(
+        request_id="victim", kv_window_begin=r.kv_window_end, sampling=greedy(8)), timeout=RPC_TIMEOUT_S))
+    assert tokens == reference(model, prompt, 8)  # its first two pages are now cached
+    rogue = _ids(40, 40)
+    code = code_of(lambda: c.pn.stub.RemoteSend(pb.RemoteSendRequest(
+        request_id="no-such-request", token_ids=rogue, kv_window_begin=0, kv_window_end=r.kv_window_end,
+        kv_append_metadata=r.kv_append_metadata, decode_address=c.dn.address, transfer_nonce=12345),
+        timeout=RPC_TIMEOUT_S))
+    assert code == grpc.StatusCode.NOT_FOUND, code
+    again = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="victim-again", token_ids=prompt,
+                                                              kv_window_end=0), timeout=10)
+    assert again.prefix_matched_length == 32
+    tokens, _ = drain(c.dn.stub.StartGeneration(pb.StartGenerationRequest(
+        request_id="victim-again", kv_window_begin=0, sampling=greedy(8)), timeout=RPC_TIMEOUT_S))
+    assert tokens == reference(model, prompt, 8), "a refused RemoteSend overwrote cached KV"
+    wait_clean(c.dn, c.pn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,6 +521,32 @@ def test_decode_restart_on_same_port(c, model):
         pytest.fail(f"RemoteSend to the restarted decode node failed twice: {outcomes}")
     assert c.pn.proc.poll() is None and c.pn.proc.pid == pn_pid
     wait_clean(c.dn, c.pn)
+
+
+def test_hung_decode_node_does_not_stall_other_transfers(c, model, request):
+    """A decode node that accepts connections but never answers (hung, SIGSTOPped, half-open)
+    must not hold up RemoteSends to healthy decode nodes."""
+    if c.transport != "tcp":
+        pytest.skip("the handshake cache (prefill_node/decode_peers.py) is transport-independent: checked once")
+    request.applymarker(pytest.mark.xfail(strict=True, reason=(
+        "BUG: prefill_node/decode_peers.py DecodePeers.get() holds self._lock across _handshake(), whose "
+        "GetTransportInfo waits up to HANDSHAKE_TIMEOUT_S=10 s; while one RemoteSend handshakes with a hung "
+        "decode node every other RemoteSend, to any decode node, waits (and its reservation may expire)")))
+    prompt = _ids(40, 61)
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # the kernel accepts, nobody ever answers
+        stuck = Background(lambda: c.pn.stub.RemoteSend(pb.RemoteSendRequest(
+            request_id="to-hung", token_ids=prompt, kv_window_begin=0, kv_window_end=39, kv_append_metadata=[1, 0, 39],
+            decode_address=f"127.0.0.1:{hung.getsockname()[1]}", transfer_nonce=1), timeout=30))
+        time.sleep(0.3)
+        r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="beside-hung", token_ids=prompt), timeout=10)
+        started = time.monotonic()
+        code = code_of(lambda: remote_send(c, "beside-hung", prompt, r))
+        took = time.monotonic() - started
+        stuck_code, _, _ = stuck.result()
+    code_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id="beside-hung"), timeout=10))
+    assert stuck_code in CLEAR, stuck_code
+    assert code == grpc.StatusCode.OK and took < 3, f"RemoteSend to a healthy decode node: {code} after {took:.1f}s"
+    still_serves(c, model, 62)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,6 +138,20 @@ class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class BeginTransferRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_nonce", "kv_append_metadata")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    KV_APPEND_METADATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_nonce: int
+    kv_append_metadata: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_nonce: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BeginTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CompleteTransferRequest(_message.Message):
     __slots__ = ("request_id", "transfer_nonce")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

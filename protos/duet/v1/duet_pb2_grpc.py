@@ -44,6 +44,11 @@ class DecodeNodeStub:
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveResponse.FromString,
                 _registered_method=True)
+        self.BeginTransfer = channel.unary_unary(
+                '/duet.v1.DecodeNode/BeginTransfer',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.BeginTransferRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.BeginTransferResponse.FromString,
+                _registered_method=True)
         self.CompleteTransfer = channel.unary_unary(
                 '/duet.v1.DecodeNode/CompleteTransfer',
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.CompleteTransferRequest.SerializeToString,
@@ -83,6 +88,13 @@ class DecodeNodeServicer:
 
     def PrepareReceive(self, request, context):
         """Reserve KV slots for a prompt's window and describe them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginTransfer(self, request, context):
+        """Check a transfer before writing (NIXL writes are one-sided: nothing stops a stray write later).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +147,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.PrepareReceive,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveResponse.SerializeToString,
+            ),
+            'BeginTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginTransfer,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.BeginTransferRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.BeginTransferResponse.SerializeToString,
             ),
             'CompleteTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.CompleteTransfer,
@@ -216,6 +233,33 @@ class DecodeNode:
             '/duet.v1.DecodeNode/PrepareReceive',
             protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveRequest.SerializeToString,
             protos_dot_duet_dot_v1_dot_duet__pb2.PrepareReceiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeNode/BeginTransfer',
+            protos_dot_duet_dot_v1_dot_duet__pb2.BeginTransferRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.BeginTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,
