@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -24,6 +27,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # dividing the logits by it would overflow
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

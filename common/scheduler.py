@@ -145,8 +145,12 @@ class Scheduler(EngineLoop):
             return
         with self.lock:
             for (r, _), row in zip(work, logits):
-                if r.seq.num_pending == 0:
-                    self._emit_token(r, r.sampler.sample(row))
+                if r.seq.num_pending == 0 and r in self._active:
+                    try:
+                        self._emit_token(r, r.sampler.sample(row))
+                    except Exception as exc:  # one request's bad sample must not stop the loop
+                        log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
+                        self._fail(r, "INTERNAL", f"sampling failed: {exc}")
 
     def _apply_aborts(self) -> None:
         for r in [r for r in self._active if r.request_id in self._aborts]:

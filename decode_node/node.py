@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from common.engine import Engine, Sequence
 from common.fingerprint import fingerprint_of, mismatch
-from common.errors import AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from common.errors import Aborted, AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from common.kv_metadata import decode_segments, encode_segments
 from common.model import LlamaModel
 from common.page_allocator import OutOfPages
@@ -50,6 +50,8 @@ class DecodeNode:
         self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens)
         self.reservations = ReservationTable(self.engine, on_expire=lambda r: self.metrics.lease_expiries.inc())
         self.metrics = DecodeMetrics(self.engine, self.reservations)
+        self._handing_off: set[str] = set()  # Generate requests waiting for a prefill node
+        self._aborted_hand_offs: set[str] = set()
         self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls)
         self.kv_endpoint = open_endpoint(config.transport, self.engine.pool, self.authorize_write, config.host,
                                          config.advertise_host,
@@ -162,7 +164,8 @@ class DecodeNode:
             r = self._reservation_for_writer(request_id, nonce)
             if r.complete:
                 raise FailedPrecondition(f"the transfer for {request_id!r} already completed")
-            if metadata[:1] != [len(r.segments)] or decode_segments(metadata) != r.segments:
+            n = len(r.segments)
+            if len(metadata) != 2 * n + 1 or metadata[0] != n or decode_segments(metadata) != r.segments:
                 raise InvalidArgument(f"kv_append_metadata does not match the slots reserved for {request_id!r}")
 
     def complete_transfer(self, request_id: str, nonce: int) -> None:
@@ -222,7 +225,14 @@ class DecodeNode:
         with self.engine.lock:
             self._check_capacity()
         if self.prefill_pool.healthy() and self._worth_remote(tokens):
-            handle = self._generate_remote(request_id, tokens, params, cancelled)
+            self._handing_off.add(request_id)
+            try:
+                handle = self._generate_remote(request_id, tokens, params, cancelled)
+            finally:
+                self._handing_off.discard(request_id)
+            if request_id in self._aborted_hand_offs:
+                self._aborted_hand_offs.discard(request_id)
+                raise Aborted(f"request {request_id!r} was aborted during its hand-off to a prefill node")
             if handle is not None:
                 return handle
         if cancelled():
@@ -275,6 +285,10 @@ class DecodeNode:
 
     def abort(self, request_id: str) -> None:
         with self.engine.lock:
-            if self.reservations.release(request_id) or self.scheduler.abort(request_id):
+            if self.reservations.release(request_id):
+                if request_id in self._handing_off:  # Generate must not fall back to local prefill
+                    self._aborted_hand_offs.add(request_id)
+                return
+            if self.scheduler.abort(request_id):
                 return
         raise NotFound(f"no live request {request_id!r}")

@@ -35,12 +35,20 @@ class DecodePeers:
         self._pusher = pusher
         self._peers: dict[str, DecodePeer] = {}
         self._lock = threading.Lock()
+        self._handshake_locks: dict[str, threading.Lock] = {}  # one handshake per address at a time
 
     def get(self, address: str) -> DecodePeer:
         with self._lock:
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = self._peers[address] = self._handshake(address)
+            if address in self._peers:
+                return self._peers[address]
+            handshake_lock = self._handshake_locks.setdefault(address, threading.Lock())
+        with handshake_lock:  # a hung peer stalls only the requests that go to it
+            with self._lock:
+                if address in self._peers:
+                    return self._peers[address]
+            peer = self._handshake(address)
+            with self._lock:
+                self._peers[address] = peer
             return peer
 
     def drop(self, address: str) -> None:

@@ -6,8 +6,11 @@ or restarts a daemon leaves a live replacement in the shared `Cluster`. Every te
 no KV page leaked on either node and that every completed output equals the single-node
 greedy reference (`engine_greedy`).
 
-Shared configuration, chosen so that the faults land where they should:
-  * prefill node `--max-batch-tokens 32`: a ~500-token prompt takes seconds to prefill,
+Tests run in file order per transport (both transports' daemons start together, up front); the
+ones that restart or kill a daemon come last. Shared configuration, chosen so that the faults land
+where they should:
+  * every daemon `--threads 1`: two torch threads per process thrash on this shared 2-core box;
+  * prefill node `--max-batch-tokens 32`: a 300-600-token prompt takes seconds to prefill,
     so a kill or an abort 0.5 s in is mid-prefill and mid-transfer;
   * decode node `--lease-seconds 2 --kv-pages 40 --max-batch-tokens 1024`: a reservation of a
     ~560-token window outlives its lease while the prefill node still writes into it, and a
@@ -68,12 +71,6 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
         finally:
             torch.set_num_threads(threads)
     return _REFERENCE[key]
-
-
-import sys
-_T0 = time.monotonic()
-def trace(*a):
-    print(f"[{time.monotonic() - _T0:7.2f}]", *a, file=sys.stderr, flush=True)
 
 
 def drain(stream) -> tuple[list[int], pb.GenerationChunk | None]:
@@ -364,12 +361,8 @@ def test_abort_during_start_generation_stream(c, model):
     wait_clean(c.dn, c.pn)
 
 
-def test_abort_during_generate_hand_off(c, model, request):
+def test_abort_during_generate_hand_off(c, model):
     """Abort while Generate waits for the prefill node: the stream must end as aborted."""
-    request.applymarker(pytest.mark.xfail(strict=True, reason=(
-        "BUG: decode_node/node.py DecodeNode.generate(): Abort releases the reservation of _generate_remote, whose "
-        "RemoteSend then fails (NOT_FOUND), so _generate_remote returns None and generate() falls back to local "
-        "prefill under the same request_id: the aborted request runs to completion as if never aborted")))
     prompt = _ids(150, 38)  # 64+ tokens: handed to the prefill node (5 steps of 32 there)
     c.wait_prefill_pool()
     stream = c.dn.stub.Generate(pb.GenerateRequest(request_id="abort-hand-off", token_ids=prompt,
@@ -444,20 +437,20 @@ def test_refused_remote_send_writes_nothing(c, model):
 def test_late_write_after_lease_expiry(c, model, request):
     if c.transport == "nixl":
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "BUG: NIXL has no write fence: decode_node/node.py only pins a reservation's pages for a TCP "
-            "writer (authorize_write); with NIXL the lease sweeper frees them while the prefill node is still "
-            "writing, and the late writes corrupt the request that is handed those pages next")))
+            "BUG: no write fence for NIXL: decode_node/node.py pins a reservation's pages only for a TCP writer "
+            "(authorize_write, held until the connection ends); BeginTransfer checks the reservation once, before "
+            "the first byte, so with NIXL the lease sweeper (decode_node/reservations.py expire_due) frees the "
+            "pages while the prefill node still writes them, and those late writes corrupt the next owner")))
     prompt = _ids(600, 42)
     want = reference(model, prompt, 24)  # before the clock starts
     # R1: a 559-token window (35 of the 40 pages), pushed by the prefill node in 18 steps; the push
-    # starts 0.4 s before the lease ends, so most of it lands after the pages were reclaimed.
+    # starts (and passes its BeginTransfer check) 0.8 s before the lease ends, so most of it lands
+    # after the pages were reclaimed.
     late_prompt = _ids(560, 41)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="late", token_ids=late_prompt), timeout=10)
-    time.sleep(max(0.0, r.lease_deadline_unix - 0.4 - time.time()))
+    time.sleep(max(0.0, r.lease_deadline_unix - 0.8 - time.time()))
     send = Background(lambda: remote_send(c, "late", late_prompt, r))
-    trace("late: sent")
     wait_until(lambda: c.dn.metrics()["duet_kv_pages_reserved"] == 0, LEASE_S + 5, "the lease expired")
-    trace("late: expired")
     assert prefill_running(c), "the transfer should outlive its lease (make the prompt longer)"
     # R2, right away: 600 prompt tokens + 24 generated = 39 pages, prefilled by the decode node in one
     # step, so it needs the expired reservation's pages; retried while a writer still pins them.
@@ -475,9 +468,7 @@ def test_late_write_after_lease_expiry(c, model, request):
             assert time.monotonic() < deadline, "the pool never became free again"
             attempt += 1
             time.sleep(0.2)
-    trace("late: R2 done", attempt)
     code, _, _ = send.result()
-    trace("late: R1 done", code)
     assert code in CLEAR, code  # the reservation was gone before the transfer completed
     assert tokens == want, f"served wrong tokens after a late write (attempt {attempt})"
     # R3: the same prompt again reuses R2's pages from the prefix cache, now that every late write
@@ -487,7 +478,6 @@ def test_late_write_after_lease_expiry(c, model, request):
     tokens, last = drain(c.dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id="after-late-again", kv_window_begin=0, sampling=greedy(24)), timeout=RPC_TIMEOUT_S))
     assert last.usage.cached_tokens > 0
-    trace("late: R3 done")
     assert tokens == want, "the prefix cache holds KV overwritten by a late write"
     wait_clean(c.dn, c.pn)
 
@@ -509,7 +499,6 @@ def test_decode_restart_on_same_port(c, model):
         started = time.monotonic()
         code = code_of(lambda: remote_send(c, rid, prompt, r, timeout=30))
         outcomes.append((code, round(time.monotonic() - started, 2)))
-        trace("restart:", outcomes)
         assert code == grpc.StatusCode.OK or code in CLEAR - {grpc.StatusCode.DEADLINE_EXCEEDED}, outcomes
         if code == grpc.StatusCode.OK:
             tokens, _ = drain(c.dn.stub.StartGeneration(pb.StartGenerationRequest(
@@ -523,15 +512,11 @@ def test_decode_restart_on_same_port(c, model):
     wait_clean(c.dn, c.pn)
 
 
-def test_hung_decode_node_does_not_stall_other_transfers(c, model, request):
+def test_hung_decode_node_does_not_stall_other_transfers(c, model):
     """A decode node that accepts connections but never answers (hung, SIGSTOPped, half-open)
     must not hold up RemoteSends to healthy decode nodes."""
     if c.transport != "tcp":
         pytest.skip("the handshake cache (prefill_node/decode_peers.py) is transport-independent: checked once")
-    request.applymarker(pytest.mark.xfail(strict=True, reason=(
-        "BUG: prefill_node/decode_peers.py DecodePeers.get() holds self._lock across _handshake(), whose "
-        "GetTransportInfo waits up to HANDSHAKE_TIMEOUT_S=10 s; while one RemoteSend handshakes with a hung "
-        "decode node every other RemoteSend, to any decode node, waits (and its reservation may expire)")))
     prompt = _ids(40, 61)
     with socket.create_server(("127.0.0.1", 0)) as hung:  # the kernel accepts, nobody ever answers
         stuck = Background(lambda: c.pn.stub.RemoteSend(pb.RemoteSendRequest(
@@ -566,7 +551,6 @@ def test_decode_node_dies_during_remote_send(c, model):
         killed = time.monotonic()
         code, exc, _ = send.result()
         took = time.monotonic() - killed
-        trace("dn-dies:", code, took)
         assert code == grpc.StatusCode.UNAVAILABLE, (code, exc)
         assert took < 15, f"RemoteSend took {took:.1f}s to notice the dead decode node"
         assert c.pn.proc.poll() is None
@@ -595,20 +579,15 @@ def test_prefill_node_dies_during_remote_send(c, model):
     c.pn.proc.send_signal(signal.SIGKILL)
     c.pn.proc.wait(10)
     code, exc, took = send.result(timeout=10)
-    trace("pn-dies:", code, took)
     assert code == grpc.StatusCode.UNAVAILABLE, (code, exc)
     start = pb.StartGenerationRequest(request_id="pn-dies", kv_window_begin=r.kv_window_end, sampling=greedy(2))
     assert code_of(lambda: c.dn.stub.StartGeneration(start, timeout=10)) in {
         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
     wait_clean(c.dn)  # the reservation expires and returns its pages
-    trace("pn-dies: clean")
     assert code_of(lambda: c.dn.stub.StartGeneration(start, timeout=10)) == grpc.StatusCode.NOT_FOUND
     # Generate would hand this prompt to the (dead) prefill node; it falls back to local prefill.
     prompt = _ids(100, 12)
     tokens, last = drain(c.dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(8)),
                                             timeout=RPC_TIMEOUT_S))
-    trace("pn-dies: generated")
     assert tokens == reference(model, prompt, 8) and last.finish_reason == "length"
-    trace("pn-dies: ref")
     wait_clean(c.dn)
-    trace("pn-dies: end")
