@@ -24,6 +24,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m scripts.bench_engine
+	$(PY) -m scripts.bench_prepare_receive
 	$(PY) -m scripts.bench_transfer
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
 
