@@ -154,7 +154,9 @@ def load_models() -> tuple[LlamaModel, torch.nn.Module]:
     path = default_model_path()
     ours = LlamaModel(load_checkpoint(path))
     with contextlib.redirect_stderr(io.StringIO()):  # the GGUF de-quantization progress bar
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     return ours, hf.eval()
 
 
@@ -196,9 +198,25 @@ def format_table(rows: list[Row]) -> str:
             label, nums = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:>9.1f} {r.theirs:>13.1f}"
         else:
             label, nums = f"decode B={r.size}, ctx {DECODE_CONTEXT} (ms/step)", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
-        lines.append(f"{label:<32} {nums} {r.ratio:>6.2f}x  {r.goal:<8} {r.verdict}".rstrip())
+        lines.append(f"{label:<32} {nums} {r.ratio:>6.3f}x  {r.goal:<8} {r.verdict}".rstrip())
     lines.append("ratio = ours/transformers (median of paired calls); prefill: higher is better, decode: lower")
     return "\n".join(lines)
+
+
+def busy_fraction(seconds: float = 1.0) -> float:
+    """How busy the machine's CPUs are over `seconds` (Linux /proc/stat; 0.0 elsewhere)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return 0.0
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
 
 
 def main() -> None:
@@ -209,18 +227,19 @@ def main() -> None:
 
     started = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; measuring...", flush=True)
-    load_before = os.getloadavg()[0]
+    busy_before = busy_fraction()
     rows = run(args.quick)
-    load_after = os.getloadavg()[0]
+    load_after = os.getloadavg()[0]  # ours counts for up to one per thread
     print()
     print(format_table(rows))
-    print(f"\ntotal {time.perf_counter() - started:.0f} s; 1-min load average {load_before:.1f} before, {load_after:.1f} after")
-    if max(load_before, load_after) > (os.cpu_count() or 1) + 0.5:
-        print("warning: other processes were busy on this machine; absolute numbers are noisy "
-              "(the sides alternate, so ratios are less affected)")
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    if busy_before > 0.25 or load_after > torch.get_num_threads() + 1:
+        print(f"warning: other processes were busy on this machine (CPUs {busy_before:.0%} busy before the run, "
+              f"load average {load_after:.1f} after); absolute numbers are noisy, the paired ratios less so")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "decode_context": DECODE_CONTEXT,
+                       "busy_before": busy_before, "load_after": load_after,
                        "rows": [asdict(r) for r in rows]}, f, indent=2)
 
 
