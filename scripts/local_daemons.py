@@ -29,6 +29,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text page, by name."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 class Daemon:
     def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
                  cpus: set[int] | None = None, tls: TlsFiles = TlsFiles()) -> None:
@@ -59,13 +69,8 @@ class Daemon:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of the Prometheus endpoint, by name."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return parse_metrics(
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         self.channel.close()

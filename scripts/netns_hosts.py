@@ -55,7 +55,7 @@ from pathlib import Path
 
 import grpc
 
-from scripts.local_daemons import ROOT, Daemon
+from scripts.local_daemons import ROOT, Daemon, parse_metrics
 
 SUBNET_PREFIX = "10.77"
 ROOT_HOST_OCTET = 254  # the bridge's own address: where the test process sits
@@ -308,16 +308,6 @@ class NetnsDaemon(Daemon):
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(_NO_PROXY.open(self.metrics_url, timeout=5).read().decode())
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text page, by name."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def start_daemons(daemons: list[NetnsDaemon], stub_classes: list, timeout: float = 180.0) -> None:
