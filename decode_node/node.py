@@ -36,6 +36,7 @@ MAX_REQUEST_ID_LENGTH = 256
 class PreparedReceive:
     prompt_length: int
     prefix_matched_length: int
+    kv_window_begin: int  # the first position the writer must send
     kv_window_end: int
     kv_append_metadata: list[int]
     lease_deadline_unix: float
@@ -134,7 +135,7 @@ class DecodeNode:
                                       secrets.randbits(63), deadline, complete=matched >= resolved)
             self.reservations.add(reservation)
         self.metrics.prefix_hit_tokens.inc(matched)
-        return PreparedReceive(n, matched, resolved, metadata, deadline, reservation.nonce)
+        return PreparedReceive(n, matched, matched, resolved, metadata, deadline, reservation.nonce)
 
     def _admit(self, seq: Sequence, end: int) -> None:
         """Refuse a reservation that would eat into the pages kept for running decodes."""
@@ -252,9 +253,9 @@ class DecodeNode:
             p = self.prepare_receive(request_id, tokens, end)
         except ResourceExhausted:
             return None  # local prefill queues in the scheduler instead of refusing
-        if p.kv_window_end > p.prefix_matched_length:
+        if p.kv_window_end > p.kv_window_begin:
             request = pb.RemoteSendRequest(
-                request_id=request_id, token_ids=tokens, kv_window_begin=p.prefix_matched_length,
+                request_id=request_id, token_ids=tokens, kv_window_begin=p.kv_window_begin,
                 kv_window_end=p.kv_window_end, kv_append_metadata=p.kv_append_metadata,
                 decode_address=self.config.advertise_address, transfer_nonce=p.transfer_nonce)
             wanted = lambda: request_id in self.reservations and not cancelled()  # noqa: E731

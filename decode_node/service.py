@@ -36,6 +36,7 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
             self._fail(context, "PrepareReceive", exc)
         return pb.PrepareReceiveResponse(
             prompt_length=p.prompt_length, prefix_matched_length=p.prefix_matched_length,
+            kv_window_begin=p.kv_window_begin,
             kv_append_metadata=p.kv_append_metadata, kv_window_end=p.kv_window_end,
             lease_deadline_unix=p.lease_deadline_unix, transfer_nonce=p.transfer_nonce,
         )

@@ -76,9 +76,9 @@ class Router:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # the decode node's Generate queues instead of refusing
             raise
-        if r.kv_window_end > r.prefix_matched_length:
+        if r.kv_window_end > r.kv_window_begin:
             pushed = self.prefill.push(pb.RemoteSendRequest(
-                request_id=rid, token_ids=tokens, kv_window_begin=r.prefix_matched_length,
+                request_id=rid, token_ids=tokens, kv_window_begin=r.kv_window_begin,
                 kv_window_end=r.kv_window_end, kv_append_metadata=r.kv_append_metadata,
                 decode_address=dn.address, transfer_nonce=r.transfer_nonce))
             if pushed is None:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "stop_token_ids")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "stop_token_ids", "n")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -24,7 +25,8 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    n: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -37,18 +39,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -63,20 +67,24 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("kv_pages_total", "kv_pages_free", "kv_pages_reserved", "kv_pages_cached", "running_requests", "queued_prefill_tokens")
+    __slots__ = ("kv_pages_total", "kv_pages_free", "kv_pages_reserved", "kv_pages_cached", "running_requests", "queued_prefill_tokens", "queued_requests", "kv_pages_quarantined")
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_RESERVED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     kv_pages_total: int
     kv_pages_free: int
     kv_pages_reserved: int
     kv_pages_cached: int
     running_requests: int
     queued_prefill_tokens: int
-    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_reserved: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    queued_requests: int
+    kv_pages_quarantined: int
+    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_reserved: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ...) -> None: ...
 
 class PrepareReceiveRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "kv_window_end")
@@ -89,20 +97,22 @@ class PrepareReceiveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_window_end: _Optional[int] = ...) -> None: ...
 
 class PrepareReceiveResponse(_message.Message):
-    __slots__ = ("prompt_length", "prefix_matched_length", "kv_append_metadata", "kv_window_end", "lease_deadline_unix", "transfer_nonce")
+    __slots__ = ("prompt_length", "prefix_matched_length", "kv_append_metadata", "kv_window_end", "lease_deadline_unix", "transfer_nonce", "kv_window_begin")
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PREFIX_MATCHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_APPEND_METADATA_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_END_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
     prompt_length: int
     prefix_matched_length: int
     kv_append_metadata: _containers.RepeatedScalarFieldContainer[int]
     kv_window_end: int
     lease_deadline_unix: float
     transfer_nonce: int
-    def __init__(self, prompt_length: _Optional[int] = ..., prefix_matched_length: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., kv_window_end: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., transfer_nonce: _Optional[int] = ...) -> None: ...
+    kv_window_begin: int
+    def __init__(self, prompt_length: _Optional[int] = ..., prefix_matched_length: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., kv_window_end: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., transfer_nonce: _Optional[int] = ..., kv_window_begin: _Optional[int] = ...) -> None: ...
 
 class StartGenerationRequest(_message.Message):
     __slots__ = ("request_id", "kv_window_begin", "sampling")
@@ -153,12 +163,14 @@ class BeginTransferResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_nonce")
+    __slots__ = ("request_id", "transfer_nonce", "abandoned")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_nonce: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_nonce: _Optional[int] = ...) -> None: ...
+    abandoned: bool
+    def __init__(self, request_id: _Optional[str] = ..., transfer_nonce: _Optional[int] = ..., abandoned: _Optional[bool] = ...) -> None: ...
 
 class CompleteTransferResponse(_message.Message):
     __slots__ = ()
@@ -181,6 +193,34 @@ class CompatibilityFingerprint(_message.Message):
     page_size: int
     layout_version: int
     def __init__(self, model_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., layout_version: _Optional[int] = ...) -> None: ...
+
+class GetTraceRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TraceEvent(_message.Message):
+    __slots__ = ("request_id", "name", "node", "start_unix", "duration_s", "args_json")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    name: str
+    node: str
+    start_unix: float
+    duration_s: float
+    args_json: str
+    def __init__(self, request_id: _Optional[str] = ..., name: _Optional[str] = ..., node: _Optional[str] = ..., start_unix: _Optional[float] = ..., duration_s: _Optional[float] = ..., args_json: _Optional[str] = ...) -> None: ...
+
+class Trace(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[TraceEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[TraceEvent, _Mapping]]] = ...) -> None: ...
 
 class GetTransportInfoRequest(_message.Message):
     __slots__ = ("fingerprint", "transport")

@@ -74,6 +74,11 @@ class DecodeNodeStub:
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.FromString,
                 _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/duet.v1.DecodeNode/GetTrace',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -135,6 +140,13 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrace(self, request, context):
+        """Recorded events of recent requests (Chrome trace-event JSON is built from them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +189,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.SerializeToString,
+            ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +422,33 @@ class DecodeNode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeNode/GetTrace',
+            protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.Trace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillNodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -424,6 +468,11 @@ class PrefillNodeStub:
                 '/duet.v1.PrefillNode/GetLoad',
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.FromString,
+                _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/duet.v1.PrefillNode/GetTrace',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.FromString,
                 _registered_method=True)
 
 
@@ -445,6 +494,13 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrace(self, request, context):
+        """Recorded events of recent requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -457,6 +513,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.SerializeToString,
+            ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -513,6 +574,33 @@ class PrefillNode:
             '/duet.v1.PrefillNode/GetLoad',
             protos_dot_duet_dot_v1_dot_duet__pb2.GetLoadRequest.SerializeToString,
             protos_dot_duet_dot_v1_dot_duet__pb2.NodeLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.PrefillNode/GetTrace',
+            protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.Trace.FromString,
             options,
             channel_credentials,
             insecure,
