@@ -1,0 +1,35 @@
+"""Linear layers whose fp32 CPU weights are packed once for oneDNN.
+
+Decode multiplies a handful of rows by large weight matrices. On the CPUs we serve from, MKL's
+sgemm does that at a fraction of memory bandwidth, while oneDNN with the weight reordered once
+into its blocked layout runs the same product about twice as fast (decode at batch 8 went from
+0.97x to 0.54x the time of transformers; prefill is unchanged or faster). The packing ops are
+torch's own (`torch.ops.mkldnn`, present in the pinned torch 2.13 CPU build); other devices,
+other dtypes and torch builds without oneDNN use `F.linear` on the original weight.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The batch size oneDNN tunes the packed layout for; decode batches are around this size.
+BATCH_SIZE_HINT = 8
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear:
+    """`y = x @ weight.T + bias` for 2-D `x`, with the weight packed when that is faster."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
+        self.packed = _can_pack(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
