@@ -1,0 +1,70 @@
+"""OpenAI-compatible HTTP front: `/v1/completions`, `/v1/chat/completions` (with server-sent
+event streaming) and `/v1/models`, served by the decode node or the router (`--openai-port`).
+
+The front translates each request into a duet.v1.GenerateRequest and calls the daemon's own
+gRPC `Generate` over a loopback channel, so both daemons share this one implementation.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import ssl
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.default_model import default_model_path
+from common.openai_http.server import OpenAIFront
+from common.tls import TlsFiles
+from protos.duet.v1 import duet_pb2_grpc
+
+if TYPE_CHECKING:
+    from common.daemon import GrpcDaemon
+
+__all__ = ["OpenAIFront", "add_openai_args", "attach_openai_front", "served_model_name"]
+
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+# A GGUF file name's quantisation suffix: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct".
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|BF16|F32)$", re.IGNORECASE)
+
+
+def add_openai_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--openai-port", type=int, default=None, metavar="PORT",
+                        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on this port, 0 = any free port (default: off)")
+    parser.add_argument("--served-model-name", default="", metavar="NAME",
+                        help="the model name the HTTP API answers to (default: derived from --model)")
+
+
+def served_model_name(model: Path) -> str:
+    """A model's public name: its Hugging Face directory's name, or its GGUF file's without the
+    quantisation suffix."""
+    model = Path(model)
+    if model.suffix.lower() != ".gguf":
+        return model.name
+    return _QUANT_SUFFIX.sub("", model.stem)
+
+
+def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_name: str,
+                        model: Path | None) -> OpenAIFront:
+    """Bind the HTTP port now and have `daemon` serve it alongside gRPC, calling its own
+    `Generate` over a loopback channel. With TLS on, the loopback presents the daemon's
+    certificate and the front serves HTTPS with it, requiring client certificates signed by
+    the CA when there is one (as the gRPC port does).
+    `served_name` "" answers to the name of `model` (None = the embedded default model)."""
+    host = daemon.address.rsplit(":", 1)[0]
+    loopback = "127.0.0.1" if host in _WILDCARD_HOSTS else host
+    stub = duet_pb2_grpc.DecodeNodeStub(tls.channel(f"{loopback}:{daemon.port}"))
+    name = served_name or served_model_name(model or default_model_path())
+    front = OpenAIFront(host, port, name, stub, https_context(tls) if tls.enabled else None)
+    daemon.add_front(front)
+    return front
+
+
+def https_context(tls: TlsFiles) -> ssl.SSLContext:
+    """The HTTPS side of the daemon's TLS settings: its certificate, and mutual TLS with a CA."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # trusts no CA but --tls-ca for client certificates
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.ca is not None:
+        context.load_verify_locations(tls.ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

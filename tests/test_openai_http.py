@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP front (`--openai-port`) on a real prefill + decode pair and on the
+router, driven by the real `openai` client package and by raw HTTP."""
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from common.openai_http import served_model_name
+from common.openai_http.api_errors import ApiError
+from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint, map_request
+from protos.duet.v1 import duet_pb2 as pb
+from scripts.local_daemons import decode_node, free_port, prefill_node, router
+from tests.reference import hf_greedy
+from tests.test_tls import certs  # noqa: F401 (the fixture: a CA, node and client certificates, a rogue CA)
+
+DAEMON_FLAGS = ("--transport", "tcp", "--threads", "1", "--kv-pages", "160")
+PROMPT = "In the quiet village at the edge of the forest, the old clockmaker spent his evenings"
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Name three colours of the rainbow."}]
+FRESH_PROMPT = "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz"
+MAX_TOKENS = 10
+
+
+class Front:
+    """A daemon's HTTP front: its base URL and an `openai` client for it."""
+
+    def __init__(self, port: int, scheme: str = "http", ssl_context: ssl.SSLContext | None = None) -> None:
+        self.url = f"{scheme}://127.0.0.1:{port}"
+        http_client = openai.DefaultHttpxClient(verify=ssl_context) if ssl_context is not None else None
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120,
+                                    http_client=http_client)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A prefill node and a decode node handing prompts to it, the decode node serving HTTP."""
+    tmp = tmp_path_factory.mktemp("openai_http")
+    port = free_port()
+    with prefill_node(tmp, *DAEMON_FLAGS) as pn, \
+            decode_node(tmp, *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
+                        "--openai-port", str(port)) as dn:
+        yield dn, pn, Front(port)
+
+
+@pytest.fixture(scope="module")
+def model_name(model_path) -> str:
+    return served_model_name(model_path)
+
+
+def grpc_generate(stub, request: pb.GenerateRequest) -> tuple[str, pb.Usage]:
+    """The node's own answer over gRPC: the text and the final usage."""
+    chunks = list(stub.Generate(request, timeout=120))
+    return "".join(c.text for c in chunks), chunks[-1].usage
+
+
+def greedy() -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def test_request_mapping():
+    """Without a daemon: OpenAI fields land in the GenerateRequest, OpenAI's defaults apply."""
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]}],
+            "stop": "\n", "seed": 7, "n": 3, "top_p": 0.5, "stream": True, "stream_options": {"include_usage": True}}
+    mapped = map_request(Endpoint.CHAT, body, "m")
+    s = mapped.generate.sampling
+    assert list(mapped.generate.messages) == [pb.ChatMessage(role="user", content="ab")]
+    assert (list(s.stop), s.seed, s.n, s.top_p, s.temperature) == (["\n"], 7, 3, 0.5, 1.0)
+    assert s.max_tokens == CHAT_DEFAULT_MAX_TOKENS and mapped.stream and mapped.include_usage
+    mapped = map_request(Endpoint.COMPLETIONS, {"prompt": [[3, 4]], "max_tokens": 5, "temperature": 0}, "m")
+    assert list(mapped.generate.token_ids) == [3, 4] and mapped.generate.sampling.max_tokens == 5
+    assert not mapped.generate.sampling.HasField("n") and not mapped.stream
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    (Endpoint.COMPLETIONS, {"prompt": ""}, "prompt"),
+    (Endpoint.COMPLETIONS, {"prompt": [1, "x"]}, "prompt"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "best_of": 3}, "best_of"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "logprobs": 1}, "logprobs"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "temperature": True}, "temperature"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "stop": ["a", 1]}, "stop"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "seed": 2**70}, None),
+    (Endpoint.CHAT, {"messages": []}, "messages"),
+    (Endpoint.CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_request_mapping_refusals(endpoint, body, param):
+    with pytest.raises(ApiError) as refused:
+        map_request(endpoint, body, "m")
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_models_lists_the_served_model(pair, model_name):
+    _, _, front = pair
+    assert model_name == "SmolLM2-135M-Instruct"  # derived from SmolLM2-135M-Instruct.Q4_1.gguf
+    assert [m.id for m in front.client.models.list().data] == [model_name]
+    assert front.client.models.retrieve(model_name).id == model_name
+
+
+def test_completion_equals_grpc_and_transformers(pair, model_name, hf_model, tokenizer):
+    dn, pn, front = pair
+    computed_before = pn.metrics()["duet_prefill_computed_tokens_total"]  # no test sent FRESH_PROMPT before
+    r = front.client.completions.create(model=model_name, prompt=FRESH_PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    prompt_ids = tokenizer.encode(FRESH_PROMPT)
+    assert pn.metrics()["duet_prefill_computed_tokens_total"] > computed_before  # the pair handed it off
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == tokenizer.decode(hf_greedy(hf_model, prompt_ids, MAX_TOKENS))
+    text, usage = grpc_generate(dn.stub, pb.GenerateRequest(prompt=FRESH_PROMPT, sampling=greedy()))
+    assert r.choices[0].text == text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), MAX_TOKENS)
+    assert r.usage.total_tokens == len(prompt_ids) + MAX_TOKENS
+    assert usage.prompt_tokens == len(prompt_ids)
+    # The same prompt as token ids gives the same text; it is cached by now.
+    again = front.client.completions.create(model=model_name, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert again.choices[0].text == text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_streamed_completion_concatenates_and_ends_with_usage(pair, model_name, tokenizer):
+    dn, _, front = pair
+    text, usage = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))
+    events = list(front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                  temperature=0, stream=True, stream_options={"include_usage": True}))
+    *content, last = events
+    assert len(content) > 1 and all(e.usage is None for e in content)
+    assert "".join(e.choices[0].text for e in content) == text
+    assert content[-1].choices[0].finish_reason == "length"
+    assert last.choices == []
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (usage.prompt_tokens, MAX_TOKENS)
+    assert last.usage.prompt_tokens_details.cached_tokens > 0  # the prompt's full pages, served just before
+
+
+def test_chat_completion_plain_and_streamed(pair, model_name, hf_model, tokenizer):
+    dn, _, front = pair
+    r = front.client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                             temperature=0)
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES))
+    message = r.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == tokenizer.decode(hf_greedy(hf_model, prompt_ids, MAX_TOKENS))
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=greedy())
+    assert message.content == grpc_generate(dn.stub, request)[0]
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.choices[0].finish_reason == "length"
+
+    events = list(front.client.chat.completions.create(model=model_name, messages=MESSAGES,
+                                                       max_completion_tokens=MAX_TOKENS, temperature=0, stream=True))
+    assert events[0].object == "chat.completion.chunk" and events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == message.content
+    assert [e.choices[0].finish_reason for e in events][-1] == "length"
+
+
+def test_bad_requests_are_400_and_the_daemon_keeps_serving(pair, model_name, tokenizer):
+    dn, _, front = pair
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        front.client.completions.create(model=model_name, prompt=PROMPT, echo=True)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):  # the node's INVALID_ARGUMENT
+        front.client.completions.create(model=model_name, prompt=[1, 10**7], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+        front.client.completions.create(model=model_name, prompt=["a", "b"], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="top_p"):  # refused by the node, streamed or not
+        front.client.completions.create(model=model_name, prompt=PROMPT, top_p=0, stream=True)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        front.client.completions.create(model="no-such-model", prompt=PROMPT)
+
+    malformed = urllib.request.Request(f"{front.url}/v1/chat/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(malformed, timeout=30)
+    assert failed.value.code == 400
+    error = json.loads(failed.value.read())["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "not valid JSON" in error["message"]
+
+    r = front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+
+
+def test_raw_server_sent_events(pair, model_name):
+    """What curl sees: `data: {json}` events separated by blank lines, then `data: [DONE]`."""
+    dn, _, front = pair
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    request = urllib.request.Request(f"{front.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        raw = response.read().decode()
+    assert raw.endswith("\n\ndata: [DONE]\n\n")
+    events = raw.split("\n\n")[:-2]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    payloads = [json.loads(e[len("data: "):]) for e in events]
+    assert {p["object"] for p in payloads} == {"text_completion"}
+    text = "".join(p["choices"][0]["text"] for p in payloads)
+    assert text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+
+
+def test_client_disconnect_cancels_the_request(pair, model_name):
+    dn, _, front = pair
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection(front.url.removeprefix("http://"), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")  # the stream has begun
+    assert dn.stub.GetLoad(pb.GetLoadRequest(), timeout=10).running_requests == 1
+    conn.close()
+    deadline = time.monotonic() + 10  # 1500 tokens would take minutes; the cancel must end it long before
+    while dn.stub.GetLoad(pb.GetLoadRequest(), timeout=10).running_requests:
+        assert time.monotonic() < deadline, "the request kept running after its client disconnected"
+        time.sleep(0.1)
+    load = dn.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert load.kv_pages_free + load.kv_pages_cached == load.kv_pages_total  # no page is held any more
+
+
+def test_router_serves_the_same_api(pair, tmp_path, model_name):
+    dn, pn, _ = pair
+    port = free_port()
+    with router(tmp_path, "--decode", dn.address, "--prefill", pn.address, "--poll-seconds", "0.2",
+                "--openai-port", str(port)):
+        client = Front(port).client
+        assert [m.id for m in client.models.list().data] == [model_name]
+        r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+        streamed = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                  temperature=0, stream=True)
+        request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=greedy())
+        assert "".join(e.choices[0].delta.content or "" for e in streamed) == grpc_generate(dn.stub, request)[0]
+
+
+
+def test_https_with_mutual_tls(certs, tmp_path, model_name):  # noqa: F811
+    """With --tls-cert/--tls-ca the front is HTTPS and, like the gRPC port, wants a client
+    certificate signed by the CA; the loopback Generate call presents the node's own."""
+    port = free_port()
+    with decode_node(tmp_path, *DAEMON_FLAGS, "--openai-port", str(port), tls=certs["node"]) as dn:
+        def client(tls) -> openai.OpenAI:
+            context = ssl.create_default_context(cafile=str(certs["ca_only"].ca))
+            if tls.cert is not None:
+                context.load_cert_chain(tls.cert, tls.key)
+            return Front(port, "https", context).client
+
+        streamed = client(certs["client"]).completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                              temperature=0, stream=True)
+        text = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+        assert "".join(e.choices[0].text for e in streamed) == text
+        for refused in (client(certs["ca_only"]), client(certs["rogue"]), Front(port).client):
+            with pytest.raises(openai.APIConnectionError):
+                refused.models.list()
+
+
+def test_parallel_samples_are_separate_choices(pair, model_name):
+    """n=2 greedy: both choices are the n=1 greedy text, streamed or not."""
+    _, _, front = pair
+    one = front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    two = front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [(c.index, c.text) for c in two.choices] == [(0, one.choices[0].text), (1, one.choices[0].text)]
+    assert two.usage.completion_tokens == 2 * MAX_TOKENS
+    texts = ["", ""]
+    for event in front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                 temperature=0, n=2, stream=True):
+        for choice in event.choices:
+            texts[choice.index] += choice.text
+    assert texts == [one.choices[0].text] * 2
