@@ -1,0 +1,206 @@
+"""Admission to the decode node: may a request take KV pages now, and, with `--admission
+queue`, the bounded FIFO of requests waiting until it may.
+
+The policy follows the reference's (MLC-LLM's `CanPrefill`), with our watermark. A request is
+admitted when
+  - fewer than `--max-running-requests` requests are admitted (generating, queued in the
+    scheduler, or holding a PrepareReceive reservation),
+  - the tokens of the admitted requests (prompt plus tokens generated so far) plus its prompt
+    stay within `--max-total-tokens` (when set), and
+  - the pages it still needs (beyond its cached prefix) fit in the free pages plus the prefix
+    cache's evictable ones, less `--admission-watermark` of the pool kept for running decodes
+    to grow into. Evictable pages count as available because `Engine.reserve` evicts them
+    (LRU first), so a pool full of cold cached pages admits without refusing or queuing.
+
+What does not fit is refused with RESOURCE_EXHAUSTED (`--admission reject`), or waits
+(`--admission queue`). Waiting is strict FIFO: only the head of the queue is tried, and a
+newcomer queues behind waiters even when it would fit, so a big request at the head is never
+starved by small ones behind it (the price is head-of-line blocking, as in the reference's
+waiting queue). A request that could not fit even into an empty pool is refused at once.
+
+Waiters sleep on a condition of the engine lock, woken by `ReleaseNotifyingEngine.release`
+(the one path through which scheduler finishes, preemptions and reservation releases give
+pages back) and when the head leaves the queue; they also wake every `POLL_SECONDS` to notice
+client cancellation, their deadline, and room made by paths that bypass `release` (a writer's
+unpin, a sliding window dropping pages, a fully cached reservation's release).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
+
+from common.engine import Engine, Sequence
+from common.errors import Aborted, Cancelled, DeadlineExceeded, ResourceExhausted
+from decode_node.config import DecodeNodeConfig
+from decode_node.metrics import DecodeMetrics
+
+T = TypeVar("T")
+
+POLL_SECONDS = 0.1
+
+
+class NotAdmitted(Exception):
+    """The request does not fit now. `reason` labels `duet_admission_refusals`; the message
+    says why, for a person."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ReleaseNotifyingEngine(Engine):
+    """An engine whose `release` wakes admission waiters when it made room: pages went back to
+    the free list, or computed pages went to the prefix cache (where they turn evictable once
+    no one else holds them). A failed admission attempt that only drops its prefix pins makes
+    no room and wakes no one, so the head of the queue cannot spin on its own retries."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.room_made = threading.Condition(self.lock)
+
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        with self.lock:
+            free_before = self.allocator.num_free
+            to_cache = cache and seq.num_computed > 0
+            super().release(seq, cache)
+            if to_cache or self.allocator.num_free > free_before:
+                self.room_made.notify_all()
+
+
+@dataclass
+class _Waiter:
+    request_id: str
+    aborted: bool = False
+
+
+class Admission:
+    """Call every method with `engine.lock` held. `running` counts admitted requests;
+    `admitted_tokens` sums their prompt and generated tokens."""
+
+    def __init__(self, config: DecodeNodeConfig, engine: ReleaseNotifyingEngine, running: Callable[[], int],
+                 admitted_tokens: Callable[[], int], metrics: DecodeMetrics) -> None:
+        self.queueing = config.admission == "queue"
+        self._config = config
+        self._engine = engine
+        self._running = running
+        self._admitted_tokens = admitted_tokens
+        self._metrics = metrics
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    def is_waiting(self, request_id: str) -> bool:
+        return any(w.request_id == request_id for w in self._waiters)
+
+    def _kept_pages(self) -> int:
+        return int(self._config.admission_watermark * self._engine.allocator.num_pages)
+
+    def _refuse(self, reason: str, message: str) -> NoReturn:
+        self._metrics.admission_refusals.labels(reason).inc()
+        raise ResourceExhausted(message)
+
+    def check_room(self) -> None:
+        """The hard cap, checked before anything else: `--max-requests` counts admitted
+        requests plus those waiting for admission."""
+        limit = self._config.max_requests
+        if self._running() + len(self._waiters) >= limit:
+            held = "running, queued or reserved" + (" or waiting for admission" if self.queueing else "")
+            self._refuse("max_requests", f"{limit} requests are already {held} here (--max-requests); retry later")
+
+    def require_fit(self, pages_needed: int, tokens: int) -> None:
+        """Raise NotAdmitted unless a request that adds `pages_needed` pages and `tokens`
+        tokens (its prompt) to the admitted ones may start now."""
+        cap = self._config.running_cap
+        if (running := self._running()) >= cap:
+            raise NotAdmitted("running", f"{running} requests are already admitted here (--max-running-requests "
+                              f"{cap})")
+        token_cap = self._config.max_total_tokens
+        if token_cap is not None and (held := self._admitted_tokens()) + tokens > token_cap:
+            raise NotAdmitted("tokens", f"admitted requests hold {held} tokens and this prompt's {tokens} would pass "
+                              f"--max-total-tokens {token_cap}")
+        available = self._engine.allocator.num_free + self._engine.prefix_cache.evictable_pages()
+        keep = self._kept_pages()
+        if pages_needed > available - keep:
+            raise NotAdmitted("pages", f"the KV pool cannot hold this request now: it needs {pages_needed} pages, "
+                              f"{available} are available, {keep} kept for running decodes (--admission-watermark)")
+
+    def _check_possible(self, window_pages: int, tokens: int) -> None:
+        """Refuse at once what an empty pool would not admit either, rather than queue it forever."""
+        total = self._engine.allocator.num_pages
+        limit = total - self._kept_pages()
+        if window_pages > limit:
+            self._refuse("too_large", f"this request needs {window_pages} KV pages but this node admits at most "
+                         f"{limit} for one request (--kv-pages {total} less the --admission-watermark reserve), "
+                         "so it can never run here: send a shorter prompt or use a node with more --kv-pages")
+        token_cap = self._config.max_total_tokens
+        if token_cap is not None and tokens > token_cap:
+            self._refuse("too_large", f"this prompt has {tokens} tokens, more than --max-total-tokens {token_cap} "
+                         "allows all admitted requests together, so it can never run here: send a shorter prompt")
+
+    def admit(self, request_id: str, window_pages: int, tokens: int, attempt: Callable[[], T],
+              cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None) -> T:
+        """Run `attempt` (which takes the request's pages, or raises NotAdmitted after undoing
+        what it did) once the request may start, and return its result. `window_pages` is how
+        many pages the request occupies in all (its cached prefix included), `tokens` its
+        prompt length. Rejecting: a NotAdmitted becomes RESOURCE_EXHAUSTED. Queuing: wait,
+        FIFO, until admitted, `cancelled()`, the `deadline` (time.monotonic()) or an Abort."""
+        if self.queueing:
+            self._check_possible(window_pages, tokens)
+        self.check_room()
+        why = "earlier requests were waiting"
+        if not self._waiters:
+            try:
+                return attempt()
+            except NotAdmitted as exc:
+                if not self.queueing:
+                    self._refuse(exc.reason, f"{exc}; retry later")
+                why = str(exc)
+        if len(self._waiters) >= self._config.max_queued_requests:
+            self._refuse("queue_full", f"{len(self._waiters)} requests already wait for admission here "
+                         "(--max-queued-requests); retry later")
+        return self._wait(_Waiter(request_id), attempt, why, cancelled, deadline)
+
+    def _wait(self, me: _Waiter, attempt: Callable[[], T], why: str, cancelled: Callable[[], bool],
+              deadline: float | None) -> T:
+        """Queue `me` and wait for its turn; `why` says what kept it out so far."""
+        self._waiters.append(me)
+        self._metrics.admission_queue_depth.set(len(self._waiters))
+        started = time.monotonic()
+        try:
+            while True:  # `admit` has just tried, or others are ahead: wait first
+                left = None if deadline is None else deadline - time.monotonic()
+                self._engine.room_made.wait(POLL_SECONDS if left is None else max(0.0, min(POLL_SECONDS, left)))
+                if me.aborted:
+                    raise Aborted(f"request {me.request_id!r} was aborted while waiting for admission")
+                if cancelled():
+                    raise Cancelled(f"request {me.request_id!r} was cancelled by the client while waiting for "
+                                    "admission")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlineExceeded(
+                        f"request {me.request_id!r} waited {time.monotonic() - started:.2f} s for admission and "
+                        f"its deadline passed ({why}); retry later, with a longer deadline, or elsewhere")
+                if self._waiters[0] is me:
+                    try:
+                        return attempt()
+                    except NotAdmitted as exc:
+                        why = str(exc)
+        finally:
+            self._waiters.remove(me)
+            self._metrics.admission_queue_depth.set(len(self._waiters))
+            self._metrics.admission_wait.observe(time.monotonic() - started)
+            self._engine.room_made.notify_all()  # the next in line may fit now
+
+    def abort(self, request_id: str) -> bool:
+        """Make a waiting request give up with ABORTED; False if none waits under that id."""
+        for w in self._waiters:
+            if w.request_id == request_id:
+                w.aborted = True
+                self._engine.room_made.notify_all()
+                return True
+        return False
