@@ -1,0 +1,235 @@
+"""Sliding-window attention and attention sinks, on a tiny random Mistral saved by transformers.
+
+The reference is transformers itself: its Mistral sliding-window attention (eager), and for
+sinks the same model under an explicit dense 4D mask written here from the definition. Pages
+outside the window must go back to the pool while a sequence runs, in the engine, in the
+decode node's reservation and through the real daemons.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.attention_window import with_attention_sinks
+from common.checkpoint import Checkpoint, load_checkpoint
+from common.engine import Engine
+from common.hf_loader import _config
+from common.model import LlamaModel
+from common.sampling import SamplingParams
+from common.scheduler import Scheduler
+from common.tokenizer import load_tokenizer
+from protos.duet.v1 import duet_pb2 as pb
+from scripts.local_daemons import decode_node, prefill_node
+from tests.reference import hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW, PAGE, VOCAB, SINKS = 32, 16, 512, 4
+PROMPT = 100  # longer than the window: pages wholly before it must not be held
+WINDOW_PAGES = 1 + math.ceil(WINDOW / PAGE)  # the reference's cap on a windowed sequence's pages
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(3, VOCAB), k=n)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> Path:
+    """A 2-layer random MistralForCausalLM (safetensors) with a word-level tokenizer.json."""
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path_factory.mktemp("tiny_mistral")
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=512,
+        tie_word_embeddings=True, initializer_range=0.3,  # wide logit margins: greedy is not a coin toss
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).save_pretrained(path)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(mistral_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(mistral_dir, attn_implementation="eager").eval()
+
+
+def _teacher_forced(engine: Engine, ids: list[int], prompt: int, chunk: int) -> tuple[dict[int, torch.Tensor], int]:
+    """Logits at every position from `prompt - 1` on (prefill in chunks, then one token a step,
+    releasing out-of-window pages after each forward as the schedulers do), and the most pages
+    the sequence held in a decode step."""
+    seq = engine.new_sequence("tf", ids, use_prefix_cache=False)
+    logits, most = {}, 0
+    while seq.num_computed < len(ids):
+        n = min(chunk, prompt - seq.num_computed) if seq.num_computed < prompt else 1
+        engine.reserve(seq, seq.num_computed + n)
+        if n == 1:
+            most = max(most, len(seq.held_pages))
+        last = seq.num_computed + n - 1
+        logits[last] = engine.forward([(seq, n)])[0]
+        engine.trim_to_window(seq)
+    engine.release(seq, cache=False)
+    return logits, most
+
+
+def _max_error(ours: dict[int, torch.Tensor], reference: torch.Tensor) -> float:
+    return max(float((row - reference[pos]).abs().max()) for pos, row in ours.items())
+
+
+def test_window_read_from_config(mistral_dir):
+    raw = json.loads((mistral_dir / "config.json").read_text())
+    assert load_checkpoint(mistral_dir).config.sliding_window == WINDOW
+    assert _config({**raw, "sliding_window": None}).sliding_window is None
+    assert _config({**raw, "sliding_window": 4096}).sliding_window is None  # covers the whole context
+    qwen = {**raw, "model_type": "qwen2", "use_sliding_window": True}
+    assert _config({**qwen, "max_window_layers": 0}).sliding_window == WINDOW
+    assert _config({**qwen, "use_sliding_window": False}).sliding_window is None
+    with pytest.raises(ValueError, match="mix sliding-window and full attention"):
+        _config({**qwen, "max_window_layers": 1})
+    windowless = Checkpoint(_config({**raw, "sliding_window": None}), {}, "hash", mistral_dir)
+    with pytest.raises(ValueError, match="--attention-sinks 2: attention sinks need a sliding-window model"):
+        with_attention_sinks(windowless, 2)
+
+
+def test_chunked_prefill_and_decode_match_transformers(mistral_dir, hf):
+    ids = _ids(PROMPT + 40, 1)
+    with torch.no_grad():
+        reference = hf(torch.tensor([ids])).logits[0]
+        full = transformers.AutoModelForCausalLM.from_pretrained(
+            mistral_dir, attn_implementation="eager", sliding_window=None).eval()(torch.tensor([ids])).logits[0]
+    assert float((reference - full).abs().max()) > 1.0  # the window changes this model's output
+    ours, most = _teacher_forced(Engine(LlamaModel(load_checkpoint(mistral_dir)), 16, PAGE), ids, PROMPT, chunk=24)
+    assert _max_error(ours, reference) < 1e-3
+    assert most <= WINDOW_PAGES
+
+
+def test_attention_sinks_match_a_dense_masked_reference(mistral_dir, hf):
+    ids = _ids(PROMPT + 40, 2)
+    q, k = torch.arange(len(ids))[:, None], torch.arange(len(ids))[None, :]
+    attended = (k <= q) & ((q - k < WINDOW) | (k < SINKS))
+    mask = torch.zeros(attended.shape).masked_fill(~attended, torch.finfo(torch.float32).min)[None, None]
+    with torch.no_grad():
+        reference = hf(torch.tensor([ids]), attention_mask=mask).logits[0]
+        no_sinks = hf(torch.tensor([ids])).logits[0]
+    assert float((reference - no_sinks).abs().max()) > 1.0  # the sinks change this model's output
+    model = LlamaModel(with_attention_sinks(load_checkpoint(mistral_dir), SINKS))
+    ours, most = _teacher_forced(Engine(model, 16, PAGE), ids, PROMPT, chunk=24)
+    assert _max_error(ours, reference) < 1e-3
+    assert most <= WINDOW_PAGES + math.ceil(SINKS / PAGE)
+
+
+def test_decode_releases_pages_outside_the_window(mistral_dir, hf):
+    """Through the scheduler, in a pool too small for the whole sequence: the freed pages are
+    reused, each returned once, and none is held when the request ends."""
+    model = LlamaModel(load_checkpoint(mistral_dir))
+    num_pages = WINDOW_PAGES + 2  # room for a prefill chunk, far from the 10 pages of 160 positions
+    engine = Engine(model, num_pages, PAGE)
+    held: list[int] = []
+    forward = engine.forward
+
+    def recording_forward(work, on_layer_done=None):
+        held.extend(len(seq.held_pages) for seq, n in work if n == 1)
+        return forward(work, on_layer_done)
+
+    engine.forward = recording_forward
+    scheduler = Scheduler(engine, load_tokenizer(mistral_dir), max_batch_tokens=24)
+    scheduler.start()
+    try:
+        prompt = _ids(PROMPT, 3)
+        handle = scheduler.submit("long", engine.new_sequence("long", prompt),
+                                  SamplingParams(max_tokens=60, ignore_eos=True))
+        tokens, chunk = [], None
+        while chunk is None or chunk.finish_reason is None:
+            chunk = handle.next_chunk(timeout=30)
+            tokens += chunk.token_ids
+    finally:
+        scheduler.stop()
+    assert chunk.finish_reason == "length"
+    assert tokens == hf_greedy(hf, prompt, 60)
+    assert len(held) == 59 and max(held) <= WINDOW_PAGES
+    with engine.lock:  # the finished sequence holds nothing; the cache holds only what it recorded
+        refs = [engine.allocator.refcount(p) for p in range(num_pages)]
+        assert sum(refs) == engine.prefix_cache.num_cached_pages and max(refs) <= 1
+        assert engine.allocator.num_free + engine.prefix_cache.num_cached_pages == num_pages
+
+
+def test_receive_begin_skips_to_the_window(mistral_dir):
+    """A receiver of a long prompt reserves only the window's pages; uncached sinks make it
+    receive everything from its cached prefix on, cached sinks let it skip again."""
+    model = LlamaModel(with_attention_sinks(load_checkpoint(mistral_dir), SINKS))
+    engine = Engine(model, 32, PAGE)
+    prompt = _ids(PROMPT, 4)
+    cold = engine.new_sequence("cold", prompt)
+    assert engine.receive_begin(cold, PROMPT - 1) == 0
+    engine.release(cold, cache=False)
+    first = engine.new_sequence("first", prompt, use_prefix_cache=False)  # computes page 0, caches it
+    engine.reserve(first, PAGE)
+    engine.forward([(first, PAGE)])
+    engine.release(first)
+    warm = engine.new_sequence("warm", prompt)
+    assert warm.num_computed == PAGE
+    begin = engine.receive_begin(warm, PROMPT - 1)
+    assert begin == PROMPT - WINDOW  # the query at PROMPT - 1 attends (PROMPT - 1 - WINDOW, PROMPT - 1]
+    engine.reserve(warm, PROMPT - 1)
+    assert len(warm.held_pages) == 1 + (PROMPT - 2) // PAGE - begin // PAGE + 1  # the sink page, then the window
+    engine.release(warm, cache=False)
+    assert engine.allocator.num_free + engine.prefix_cache.num_cached_pages == 32
+
+
+@pytest.fixture(scope="module")
+def pair(mistral_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("window_pair")
+    common = ("--model", str(mistral_dir), "--transport", "tcp", "--threads", "1", "--page-size", str(PAGE))
+    # 8 pages: a 100-token prompt plus 40 tokens needs 9 without the window.
+    with prefill_node(tmp, *common, "--kv-pages", "8", "--max-batch-tokens", "24") as pn, \
+            decode_node(tmp, *common, "--kv-pages", "8", "--prefill", pn.address,
+                        "--min-remote-prefill-tokens", "1") as dn:
+        yield dn, pn
+
+
+def _greedy(n: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(stream) -> list[int]:
+    return [t for chunk in stream for t in chunk.token_ids]
+
+
+def _no_leak(node) -> None:
+    load = node.stub.GetLoad(pb.GetLoadRequest())
+    assert load.kv_pages_free + load.kv_pages_cached == load.kv_pages_total and load.kv_pages_reserved == 0
+
+
+def test_daemons_receive_only_the_window(pair, hf):
+    dn, pn = pair
+    prompt = _ids(PROMPT, 5)
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="win", token_ids=prompt))
+    assert (r.prefix_matched_length, r.kv_window_end) == (0, PROMPT - 1)
+    assert r.kv_window_begin == PROMPT - WINDOW  # the first position the query at PROMPT - 1 attends
+    assert dn.stub.GetLoad(pb.GetLoadRequest()).kv_pages_reserved <= WINDOW_PAGES
+    sent = pn.stub.RemoteSend(pb.RemoteSendRequest(
+        request_id="win", token_ids=prompt, kv_window_begin=r.kv_window_begin, kv_window_end=r.kv_window_end,
+        kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+    assert sent.tokens_sent == WINDOW - 1 and sent.tokens_computed == PROMPT - 1
+    tokens = _tokens(dn.stub.StartGeneration(pb.StartGenerationRequest(
+        request_id="win", kv_window_begin=r.kv_window_end, sampling=_greedy(40))))
+    assert tokens == hf_greedy(hf, prompt, 40)
+    _no_leak(dn)
+    _no_leak(pn)
+
+
+def test_daemons_one_call_generate_with_window(pair, hf):
+    dn, pn = pair
+    prompt = _ids(PROMPT + 20, 6)
+    computed = pn.metrics()["duet_prefill_computed_tokens_total"]
+    tokens = _tokens(dn.stub.Generate(pb.GenerateRequest(request_id="gen", token_ids=prompt, sampling=_greedy(30))))
+    assert tokens == hf_greedy(hf, prompt, 30)
+    assert pn.metrics()["duet_prefill_computed_tokens_total"] - computed == len(prompt) - 1  # prefilled remotely
+    _no_leak(dn)
+    _no_leak(pn)
