@@ -1,0 +1,340 @@
+"""The GPU check: what `make test` cannot show on a machine without a GPU, with numbers.
+
+Run it through scripts/gpu_check.sh (it prepares the venv) on a machine with an NVIDIA GPU:
+
+1. kernels: the paged-KV CUDA kernels (cuda/paged_kv.cu) build, and their scatter and gather
+   give exactly the torch fallback's bytes on random data (bf16/fp16/fp32, scattered slots that
+   cross pages, 16/8/4/2-byte row copies), plus the gather's GB/s against `index_select`'s.
+2. engine: our engine on the GPU in bf16 against transformers on the GPU reading the same GGUF.
+   Last-position logits: our bf16 error against transformers' fp32 must stay within twice
+   transformers' own bf16 error. Greedy tokens: identical to transformers' bf16, or diverging
+   only at a near tie (the fp32 reference's gap between the two tokens below that bf16 error).
+3. disaggregated: a prefill node and a decode node (separate processes, `--device cuda`, VRAM
+   pools registered with NIXL, `UCX_TLS=cuda_ipc,...`) generate exactly what a single decode
+   node does (same near-tie allowance), and every prompt went through the prefill node.
+4. bandwidth: KV moved between two processes' VRAM pools by the NIXL path (prefill_node's
+   NixlPusher into decode_node's NixlEndpoint, per layer, as RemoteSend does; contiguous and
+   scattered pages; checked to land) and by one raw NIXL write of the same bytes, in GB/s, against
+   a device-to-device `copy_` of the same bytes.
+
+Exit status 1 if any check fails. `--device cpu` rehearses 2-4 on the CPU in fp32 (the kernels
+are skipped), to try the script itself on a machine without a GPU.
+
+Usage: python -m scripts.gpu_check [--device cuda|cpu] [--quick] [--only CHECK ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from common.default_model import default_model_path
+from common.engine import Engine
+from common.kv_pool import KVPool
+from common.model import LlamaModel
+from common.model_loading import load_model_and_tokenizer
+from common.tokenizer import Tokenizer, load_tokenizer
+from common.transports.nixl_transport import NixlInitiator
+from cuda import extension
+from cuda.paged_kv import DTYPES, torch_gather_from_slots, torch_scatter_to_slots
+from prefill_node.kv_push import open_pusher
+from protos.duet.v1 import duet_pb2 as pb
+from scripts.bench_transfer import (HEAD_DIM, LAYOUTS, NUM_KV_HEADS, NUM_LAYERS, PAGE_SIZE, PEER,
+                                    TRANSFER_TIMEOUT_S, check_lands, decode_process, digest,
+                                    push_all_layers, timed_rounds)
+from scripts.local_daemons import decode_node, prefill_node
+from tests.reference import engine_greedy, hf_greedy
+
+CHECKS = ["kernels", "engine", "disaggregated", "bandwidth"]
+UCX_TLS = {"cuda": "cuda_ipc,cuda_copy,sm,self", "cpu": "sm,self"}  # both processes on this host
+PROMPTS = [
+    "The capital of France is",
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+]
+GREEDY_TOKENS = 16
+LONG_PROMPT_TOKENS = 1500  # random ids: a prompt the prefill node computes in one chunk
+MAX_BATCH_TOKENS = "2048"  # every node, so both setups chunk prompts alike
+REMOTE_SENDS = "duet_remote_send_seconds_count"  # the prefill node's completed RemoteSend calls
+LOGIT_FLOOR = 1e-3  # fp32 engine vs fp32 transformers (tests/test_model_vs_transformers.py)
+
+
+class Report:
+    """Prints each check's line as it comes and remembers the failures."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def check(self, name: str, ok: bool, detail: str) -> None:
+        print(f"  [{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+        if not ok:
+            self.failures.append(name)
+
+    def note(self, text: str) -> None:
+        print(f"  {text}", flush=True)
+
+
+def cuda_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of `fn` on the current CUDA stream, by CUDA events, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. kernels
+
+
+def check_kernels(report: Report, quick: bool) -> None:
+    started = time.perf_counter()
+    ops = extension.kernels()
+    if ops is None:
+        report.check("kernel build", False, extension.unavailable_reason() or "unknown reason")
+        return
+    report.check("kernel build", True, f"built and loaded in {time.perf_counter() - started:.1f} s "
+                 f"(TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '<torch default: this GPU>')})")
+    g = torch.Generator().manual_seed(7)
+    # (heads, head_dim): SmolLM2's rows, rows of an odd byte size (2-byte copies), wide rows.
+    for heads, head_dim in ((NUM_KV_HEADS, HEAD_DIM), (3, 5), (8, 128)):
+        for dtype in DTYPES:
+            pool = KVPool(2, heads, head_dim, num_pages=256, page_size=PAGE_SIZE, dtype=dtype, device="cuda")
+            pool.data.normal_()
+            pages = torch.randperm(256, generator=g)[:48].tolist()
+            slots = pool.slots_for(pages, 5, 5 + 700).cuda()  # starts mid-page, crosses 44 pages
+            src = torch.randn(2, slots.numel(), heads, head_dim, generator=g).to("cuda", dtype)
+            ours, theirs = pool.data[1].clone(), pool.data[1].clone()
+            ops.scatter_to_slots(ours, src, slots)
+            torch_scatter_to_slots(theirs, src, slots)
+            got, want = torch.empty_like(src), torch.empty_like(src)
+            ops.gather_from_slots(ours, slots, got)
+            torch_gather_from_slots(theirs, slots, want)
+            same = torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)) and \
+                torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and \
+                torch.equal(got.view(torch.uint8), src.view(torch.uint8))
+            report.check(f"kernel == fallback {str(dtype).removeprefix('torch.')} rows {heads}x{head_dim}", same,
+                         f"scatter+gather of {slots.numel()} slots, bitwise")
+    tokens = 8192 if quick else 65536
+    pool = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, tokens // PAGE_SIZE, PAGE_SIZE, torch.bfloat16, "cuda")
+    slots = torch.tensor(LAYOUTS["scattered"](tokens, seed=1).src_slots, device="cuda")
+    layer, out = pool.data[0], torch.empty(2, tokens, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    nbytes = 2 * out.numel() * out.element_size()  # read and written
+    kernel_s = cuda_seconds(lambda: ops.gather_from_slots(layer, slots, out), 20)
+    torch_s = cuda_seconds(lambda: torch_gather_from_slots(layer, slots, out), 20)
+    report.note(f"gather of one layer, {tokens} scattered slots, bf16: kernel {nbytes / kernel_s / 1e9:.0f} GB/s, "
+                f"index_select {nbytes / torch_s / 1e9:.0f} GB/s (bytes read + written)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. engine vs transformers
+
+
+class Reference:
+    """transformers on the same device: in the engine's dtype and in fp32 (the yardstick)."""
+
+    def __init__(self, device: str, dtype: torch.dtype) -> None:
+        import transformers
+
+        path = default_model_path()
+
+        def load(d: torch.dtype):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=d)
+            return hf.to(device).eval()
+
+        self.same_dtype, self.fp32 = load(dtype), load(torch.float32)
+        self.noise = 0.0  # max |bf16 - fp32| logit seen: the precision's own error
+
+    @torch.inference_mode()
+    def last_logits(self, hf, ids: list[int]) -> torch.Tensor:
+        return hf(torch.tensor([ids], device=hf.device)).logits[0, -1].float()
+
+    def near_tie(self, prompt: list[int], ours: list[int], theirs: list[int]) -> str | None:
+        """If the continuations first differ where the fp32 reference barely separates the two
+        tokens (gap within twice the precision's noise), say so; else None."""
+        j = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if j is None:  # one is a prefix of the other: a missing token is no tie
+            return None
+        logits = self.last_logits(self.fp32, prompt + ours[:j])
+        gap = abs(float(logits[ours[j]] - logits[theirs[j]]))
+        if gap <= 2 * self.noise:
+            return f"differ from token {j} on, a near tie (fp32 gap {gap:.3f} <= 2 x {self.noise:.3f})"
+        return None
+
+
+def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    engine = Engine(model, num_pages=-(-len(ids) // PAGE_SIZE), page_size=PAGE_SIZE)
+    seq = engine.new_sequence("check", ids, use_prefix_cache=False)
+    engine.reserve(seq, len(ids))
+    return engine.forward([(seq, len(ids))])[0]
+
+
+def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def compare_tokens(report: Report, ref: Reference, name: str, prompt: list[int], ours: list[int],
+                   theirs: list[int]) -> None:
+    if ours == theirs:
+        report.check(name, True, f"{len(ours)} greedy tokens identical")
+        return
+    tie = ref.near_tie(prompt, ours, theirs)
+    report.check(name, tie is not None, tie or f"differ beyond a near tie: {ours} vs {theirs}")
+
+
+def check_engine(report: Report, device: str, dtype: torch.dtype, ref: Reference, tokenizer: Tokenizer) -> None:
+    model = load_model_and_tokenizer(None, dtype, device)[0]
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    errors = []
+    for ids in prompts:
+        exact = ref.last_logits(ref.fp32, ids)
+        theirs = (ref.last_logits(ref.same_dtype, ids) - exact).abs().max().item()
+        ours = (prefill_logits(model, ids) - exact).abs().max().item()
+        ref.noise = max(ref.noise, theirs)
+        errors.append((ours, theirs))
+    for (ours, theirs), text in zip(errors, PROMPTS):
+        report.check(f"logits {text[:24]!r}", ours <= max(2 * theirs, LOGIT_FLOOR),
+                     f"max |ours - fp32 ref| {ours:.4f}, transformers {str(dtype).removeprefix('torch.')} {theirs:.4f}")
+    for ids, text in zip(prompts, PROMPTS):
+        compare_tokens(report, ref, f"greedy {text[:24]!r}", ids, engine_greedy(model, ids, GREEDY_TOKENS),
+                       hf_greedy(ref.same_dtype, ids, GREEDY_TOKENS))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. disaggregated pair vs single node
+
+
+def generate(stub, ids: list[int]) -> list[int]:
+    sampling = pb.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    return [t for chunk in stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=sampling), timeout=300)
+            for t in chunk.token_ids]
+
+
+def check_disaggregated(report: Report, device: str, dtype: torch.dtype, ref: Reference, tokenizer: Tokenizer) -> None:
+    flags = ("--device", device, "--dtype", str(dtype).removeprefix("torch."), "--transport", "nixl",
+             "--max-batch-tokens", MAX_BATCH_TOKENS, "--kv-pages", "512")
+    env = {"UCX_TLS": UCX_TLS[device]}
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS] + \
+        [random.Random(3).choices(range(100, 40000), k=LONG_PROMPT_TOKENS)]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp, ExitStack() as stack:
+        started = time.perf_counter()
+        pn = stack.enter_context(prefill_node(Path(tmp), *flags, env=env))
+        dn = stack.enter_context(decode_node(Path(tmp), *flags, "--prefill", pn.address,
+                                             "--min-remote-prefill-tokens", "1", env=env))
+        single = stack.enter_context(decode_node(Path(tmp), *flags, env=env))
+        report.note(f"3 daemons up in {time.perf_counter() - started:.0f} s "
+                    f"({' '.join(flags)}, UCX_TLS={env['UCX_TLS']})")
+        sends_before = pn.metrics()[REMOTE_SENDS]
+        for ids in prompts:
+            compare_tokens(report, ref, f"disaggregated == single node, {len(ids)}-token prompt", ids,
+                           generate(dn.stub, ids), generate(single.stub, ids))
+        sends = pn.metrics()[REMOTE_SENDS] - sends_before
+        report.check("prompts went through the prefill node", sends == len(prompts),
+                     f"{sends:.0f} RemoteSend calls completed for {len(prompts)} prompts")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. transfer bandwidth
+
+
+def check_bandwidth(report: Report, device: str, dtype: torch.dtype, quick: bool) -> None:
+    sizes = (8192,) if quick else (8192, 32768)
+    for layout_name in LAYOUTS:
+        for tokens in sizes:
+            layout = LAYOUTS[layout_name](tokens, seed=tokens)
+            num_pages = tokens // PAGE_SIZE
+            src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE, dtype, device)
+            src.data.normal_()
+            nbytes = src.data.numel() * src.data.element_size()
+            expected = digest(src.data.index_select(2, torch.tensor(layout.src_slots, device=device)))
+            copy_dst = torch.empty_like(src.data)
+
+            def device_copy() -> None:
+                copy_dst.copy_(src.data)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+
+            with ExitStack() as stack:
+                conn, (info,) = stack.enter_context(decode_process(num_pages, layout.dst_segments, ("nixl",),
+                                                                   dtype, device))
+                pusher = open_pusher("nixl", src, f"gpu-check-{layout_name}-{tokens}")
+                stack.callback(pusher.close)
+                pusher.connect(PEER, info)
+                raw = stack.enter_context(NixlInitiator(f"gpu-check-raw-{layout_name}-{tokens}", src.data))
+                raw.connect(info.nixl_agent_name, info.nixl_agent_metadata)
+                whole_src, whole_dst = [(src.data.data_ptr(), nbytes)], [(info.pool_base_address, nbytes)]
+                methods = {
+                    "nixl_path": lambda: push_all_layers(pusher, layout),
+                    "raw_nixl": lambda: raw.wait(raw.write(info.nixl_agent_name, whole_src, whole_dst),
+                                                 TRANSFER_TIMEOUT_S),
+                    "device_copy": device_copy,
+                }
+                try:
+                    check_lands(conn, methods["nixl_path"], expected, "NIXL path")
+                except RuntimeError as exc:
+                    report.check(f"KV lands, {layout_name} {tokens} tok", False, str(exc))
+                    continue
+                seconds = timed_rounds(methods, warmup=1, reps=3 if quick else 5)
+            gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
+            report.check(f"KV {layout_name} {tokens} tok, {nbytes / 1e6:.0f} MB", True,
+                         f"lands byte-exact; NIXL path {gbps['nixl_path']:.1f} GB/s, raw NIXL {gbps['raw_nixl']:.1f} "
+                         f"GB/s, {device} copy {gbps['device_copy']:.1f} GB/s "
+                         f"(path/copy {gbps['nixl_path'] / gbps['device_copy']:.2f}x)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: rehearse checks 2-4 in fp32 without a GPU (default %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="smaller transfer sizes, fewer repetitions")
+    parser.add_argument("--only", nargs="+", choices=CHECKS, default=CHECKS, metavar="CHECK",
+                        help=f"run only these of {', '.join(CHECKS)} (default: all)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_check: torch {torch.__version__} sees no CUDA device (torch.version.cuda={torch.version.cuda}); "
+              "run scripts/gpu_check.sh on a GPU machine, or --device cpu to rehearse", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    os.environ.setdefault("UCX_TLS", UCX_TLS[args.device])  # before any NIXL agent; children inherit it
+    started = time.perf_counter()
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (rehearsal)"
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {where}; UCX_TLS={os.environ['UCX_TLS']}",
+          flush=True)
+    report = Report()
+    if "kernels" in args.only:
+        print("1. paged-KV kernels", flush=True)
+        if args.device == "cuda":
+            check_kernels(report, args.quick)
+        else:
+            report.note("skipped: no GPU in a rehearsal")
+    if "engine" in args.only or "disaggregated" in args.only:
+        ref, tokenizer = Reference(args.device, dtype), load_tokenizer(default_model_path())
+        if "engine" in args.only:
+            print(f"2. engine vs transformers ({str(dtype).removeprefix('torch.')})", flush=True)
+            check_engine(report, args.device, dtype, ref, tokenizer)
+        if "disaggregated" in args.only:
+            print("3. disaggregated pair vs single node (NIXL)", flush=True)
+            check_disaggregated(report, args.device, dtype, ref, tokenizer)
+    if "bandwidth" in args.only:
+        print("4. KV transfer bandwidth between two processes", flush=True)
+        check_bandwidth(report, args.device, dtype, args.quick)
+    verdict = f"FAILED: {', '.join(report.failures)}" if report.failures else "all checks passed"
+    print(f"\ngpu_check: {verdict} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""cuda/: the paged-KV scatter/gather (torch fallback against a naive reference on every machine,
+the CUDA kernels against the fallback where a GPU is), that the kernel source compiles where
+nvcc is, the `--device`/`--dtype` startup checks, and the GPU check script's syntax."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.daemon_config import check_device
+from common.kv_pool import KVPool
+from cuda import extension
+from cuda.paged_kv import (DTYPES, gather_from_slots, scatter_to_slots, torch_gather_from_slots,
+                           torch_scatter_to_slots)
+from decode_node.config import DecodeNodeConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE_SIZE = 4
+# Positions 3..21 of a sequence whose pages are scattered: starts mid-page, crosses 5 page
+# boundaries, and the slots are not one ascending run.
+PAGE_TABLE = [6, 2, 9, 0, 5, 11]
+START, END = 3, 22
+
+
+def _pool(dtype: torch.dtype, heads: int = 3, head_dim: int = 8, device: str = "cpu") -> KVPool:
+    pool = KVPool(num_layers=3, num_kv_heads=heads, head_dim=head_dim, num_pages=12, page_size=PAGE_SIZE,
+                  dtype=dtype, device=device)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(1)))
+    return pool
+
+
+def _slot_cases(pool: KVPool) -> dict[str, torch.Tensor]:
+    return {
+        "page-crossing run": pool.slots_for(PAGE_TABLE, START, END),
+        "random distinct": torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(2))[:17],
+        "empty": torch.zeros(0, dtype=torch.long),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fallback_scatter_and_gather_match_a_naive_reference(dtype):
+    pool = _pool(dtype)
+    for name, slots in _slot_cases(pool).items():
+        before = pool.data.clone()
+        src = torch.randn(2, slots.numel(), 3, 8).to(dtype)
+        scatter_to_slots(pool.data[1], src, slots)
+        expected = before.clone()
+        for i, slot in enumerate(slots.tolist()):
+            for kv in (0, 1):
+                expected[1, kv, slot] = src[kv, i]
+        assert torch.equal(pool.data, expected), name  # the slots hold src, nothing else moved
+        gathered = gather_from_slots(pool.data[1], slots)
+        assert gathered.is_contiguous() and torch.equal(gathered, src), name
+        out = torch.empty_like(src)
+        assert gather_from_slots(pool.data[1], slots, out) is out and torch.equal(out, src), name
+        naive = torch.stack([torch.stack([pool.data[1, kv, s] for s in slots.tolist()]) if len(slots) else
+                             torch.empty(0, 3, 8, dtype=dtype) for kv in (0, 1)])
+        assert torch.equal(gather_from_slots(pool.data[1], slots), naive), name
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda pool, src, slots: (pool, src, slots + 1000), "slots must lie in"),
+    (lambda pool, src, slots: (pool, src, slots - 100), "slots must lie in"),
+    (lambda pool, src, slots: (pool, src[:, :-1], slots), "src must be"),
+    (lambda pool, src, slots: (pool, src.to(torch.float16), slots), "src is torch.float16"),
+    (lambda pool, src, slots: (pool, src.transpose(2, 3).contiguous().transpose(2, 3), slots), "contiguous"),
+    (lambda pool, src, slots: (pool.to(torch.float64), src.to(torch.float64), slots), "dtype torch.float64"),
+    (lambda pool, src, slots: (pool[:, :, :1], src[:, :, :1], slots), "rows must be contiguous"),
+    (lambda pool, src, slots: (pool, src, slots.float()), "integer tensor"),
+])
+def test_bad_operands_are_refused_before_any_write(bad, message):
+    pool = _pool(torch.float32)
+    slots = pool.slots_for(PAGE_TABLE, START, END)
+    layer, src, slots = bad(pool.data[1], torch.randn(2, slots.numel(), 3, 8), slots)
+    before = layer.clone()
+    with pytest.raises(ValueError, match=message):
+        scatter_to_slots(layer, src, slots)
+    assert torch.equal(layer, before)
+
+
+def test_kernel_source_compiles_for_hopper(tmp_path):
+    nvcc = extension.nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here (set CUDA_HOME or put nvcc on PATH): the CUDA source "
+                    "cannot be compiled; scripts/gpu_check.sh builds and runs it on a GPU machine")
+    out = subprocess.run([nvcc, "-arch=sm_90", "-O3", "-c", str(extension.KERNEL_SOURCE), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "k.o").stat().st_size > 0
+
+
+def test_cuda_kernels_equal_the_fallback():
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda}): the kernels run "
+                    "only on a GPU; scripts/gpu_check.sh checks them there")
+    ops = extension.kernels()
+    assert ops is not None, extension.unavailable_reason()
+    for dtype in DTYPES:
+        for heads, head_dim in ((3, 64), (3, 5)):  # 16-byte and 2-byte row copies
+            pool = _pool(dtype, heads, head_dim, device="cuda")
+            for name, slots in _slot_cases(pool).items():
+                slots = slots.cuda()
+                src = torch.randn(2, slots.numel(), heads, head_dim, device="cuda").to(dtype)
+                ours, theirs = pool.data[2].clone(), pool.data[2].clone()
+                scatter_to_slots(ours, src, slots)  # the kernel: the pool is on CUDA
+                torch_scatter_to_slots(theirs, src, slots)
+                assert torch.equal(ours, theirs), (dtype, name)
+                want = torch.empty_like(src)
+                torch_gather_from_slots(theirs, slots, want)
+                assert torch.equal(gather_from_slots(ours, slots), want), (dtype, name)
+
+
+def test_device_flags_are_checked_at_startup():
+    with pytest.raises(ValueError, match="--dtype bfloat16 needs --device cuda"):
+        check_device("cpu", "bfloat16", "nixl")
+    with pytest.raises(ValueError, match="--device must be one of cpu, cuda"):
+        check_device("tpu", "float32", "nixl")
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        check_device("cpu", "float64", "nixl")
+    check_device("cpu", "float32", "tcp")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda needs --transport nixl"):
+            check_device("cuda", "bfloat16", "tcp")
+    else:
+        with pytest.raises(ValueError, match="--device cuda: .*(built without CUDA|no CUDA device)"):
+            DecodeNodeConfig(device="cuda", dtype="bfloat16")
+
+
+def test_device_flag_error_reaches_the_command_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device, so --device cuda is accepted")
+    out = subprocess.run([sys.executable, "-c", "from decode_node.config import parse_args; "
+                          "parse_args(['--device', 'cuda'])"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "error: --device cuda:" in out.stderr, out.stderr
+
+
+def test_gpu_check_script_is_valid_bash():
+    bash = shutil.which("bash")
+    assert bash is not None
+    out = subprocess.run([bash, "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_other_cuda_packages_stay_importable(tmp_path):
+    """Our `cuda` package must not hide NVIDIA's `cuda.*` namespace packages (cuda-python)."""
+    (tmp_path / "cuda" / "bindings").mkdir(parents=True)
+    (tmp_path / "cuda" / "bindings" / "__init__.py").write_text("WHO = 'cuda-python'\n")
+    code = "import cuda.bindings, cuda.extension; print(cuda.bindings.WHO)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": f"{ROOT}:{tmp_path}", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and out.stdout.strip() == "cuda-python", out.stderr
