@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.duet-installed
 
-.PHONY: run test bench install clean
+.PHONY: run test bench install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_prepare_receive
 	$(PY) -m scripts.bench_transfer
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
+
+# On a machine with an NVIDIA GPU: kernels, bf16 engine vs transformers, VRAM pools over NIXL, KV
+# bandwidth (docs/gpu.md). The script prepares .venv itself, with the CUDA build of torch.
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from common.daemon_limits import CHANNEL_OPTIONS
 from common.tls import TlsFiles
+from common.tracing import TraceFileWriter
 
 
 
@@ -41,6 +43,14 @@ def setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
+class Front(Protocol):
+    """Another server a daemon runs beside gRPC (the OpenAI HTTP front)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class GrpcDaemon:
     """A gRPC server plus health/reflection/metrics, run until a termination signal."""
 
@@ -56,6 +66,11 @@ class GrpcDaemon:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}")
         self._stop = threading.Event()
+        self._fronts: list[Front] = []
+
+    def add_front(self, front: Front) -> None:
+        """Start `front` once gRPC serves; stop it (no new requests) when shutdown begins."""
+        self._fronts.append(front)
 
     def serve(
         self,
@@ -70,6 +85,8 @@ class GrpcDaemon:
         if metrics_port is not None:
             start_http_server(metrics_port, registry=metrics_registry)
         self.server.start()
+        for front in self._fronts:
+            front.start()
         for name in ["", *service_names]:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log = logging.getLogger("daemon")
@@ -80,6 +97,8 @@ class GrpcDaemon:
         self._stop.wait()
         log.info("shutting down: draining in-flight requests")
         self.health.enter_graceful_shutdown()
+        for front in self._fronts:
+            front.stop()
         started = time.monotonic()
         self.server.stop(grace_seconds).wait()
         if on_shutdown is not None:
@@ -99,6 +118,15 @@ def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], ob
         torch.set_num_threads(config.threads)
     daemon = GrpcDaemon(config.host, config.port, config.tls)
     node = start(daemon, config)
+    trace_file = TraceFileWriter(node.tracer, config.trace) if config.trace is not None else None
+
+    def shutdown() -> None:
+        try:
+            node.shutdown()
+        finally:
+            if trace_file is not None:
+                trace_file.close()  # after the drain, so the file holds every request's last events
+
     daemon.serve([service_name], metrics_registry=node.metrics.registry, metrics_port=config.metrics_port,
-                 on_shutdown=node.shutdown)
+                 on_shutdown=shutdown)
     return 0

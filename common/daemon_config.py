@@ -6,12 +6,39 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from common.tls import TlsFiles
 from common.transports import TRANSPORTS
 
+if TYPE_CHECKING:
+    import torch
+
 C = TypeVar("C", bound="DaemonConfig")
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
+
+
+def check_device(device: str, dtype: str, transport: str) -> None:
+    """Raise ValueError, naming the flag to change, unless this machine can run `--device`
+    `--dtype` `--transport` together."""
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device == "cpu" and dtype != "float32":
+        raise ValueError(f"--dtype {dtype} needs --device cuda: the CPU engine runs float32")
+    if device == "cuda":
+        import torch  # here, not at the top: the router imports this module and needs no torch
+
+        if not torch.cuda.is_available():
+            why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+            raise ValueError(f"--device cuda: {why}; run with --device cpu, or see docs/gpu.md")
+        if transport == "tcp":
+            raise ValueError("--device cuda needs --transport nixl: the TCP transport moves KV through host "
+                             "memory and cannot read or write a pool in GPU memory")
 
 
 @dataclass(frozen=True)
@@ -25,15 +52,26 @@ class DaemonConfig:
     kv_pages: int = 1024  # 16k tokens at the default page size
     max_batch_tokens: int = 512
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    attention_sinks: int = 0  # sliding-window models: leading positions every query attends too
+    device: str = "cpu"  # where the weights and the KV pool live: cpu or cuda (docs/gpu.md)
+    dtype: str = "float32"  # weights, activations and KV; bfloat16 / float16 need --device cuda
     log_level: str = "info"
     advertise_host: str = ""  # the host peers should dial; default --host
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None  # set: mutual TLS, peers must present a certificate signed by it
+    trace: Path | None = None  # write the request traces here as Chrome trace-event JSON
+    trace_requests: int = 1000  # recent requests whose trace events are kept
 
     @property
     def tls(self) -> TlsFiles:
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def advertise_address(self) -> str:
@@ -46,6 +84,11 @@ class DaemonConfig:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("--threads must be >= 1")
+        if self.attention_sinks < 0:
+            raise ValueError("--attention-sinks must be >= 0")
+        check_device(self.device, self.dtype, self.transport)
+        if self.trace_requests < 1:
+            raise ValueError("--trace-requests must be >= 1")
         self.tls.validate()
 
 
@@ -66,10 +109,24 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one engine step; longer prompts are chunked (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--attention-sinks", type=int, default=d.attention_sinks, metavar="N",
+                   help="sliding-window models only: every query also attends the first N positions "
+                   "(StreamingLLM sinks); prefill and decode nodes must agree (default %(default)s)")
+    p.add_argument("--device", default=d.device, choices=DEVICES,
+                   help="run the model and keep the KV pool here; cuda = the current CUDA device, registered "
+                   "with NIXL as VRAM (default %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                   help="weights, activations and KV; bfloat16 and float16 need --device cuda; prefill and "
+                   "decode nodes must agree (default %(default)s)")
     p.add_argument("--advertise-host", default="", metavar="HOST",
                    help="address other nodes should use to reach this one (default: --host); needed when "
                    "listening on 0.0.0.0 or behind NAT")
     add_tls_args(p)
+    p.add_argument("--trace", type=Path, metavar="FILE.json",
+                   help="write request traces (Chrome trace-event JSON, open in Perfetto) to FILE, every few "
+                   "seconds and at shutdown; GetTrace serves them either way")
+    p.add_argument("--trace-requests", type=int, default=d.trace_requests, metavar="N",
+                   help="keep the trace events of the N most recent requests (default %(default)s)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 

@@ -57,6 +57,7 @@ def _config(reader: gguf.GGUFReader, tensor_names: set[str]) -> ModelConfig:
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF files with per-frequency rope factors (rope_freqs) are not supported; "
                          "load the Hugging Face directory of this model instead")
+    window = _field(reader, f"{arch}.attention.sliding_window")  # llama.cpp's key, when it writes one
     return ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -72,6 +73,7 @@ def _config(reader: gguf.GGUFReader, tensor_names: set[str]) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
+        sliding_window=None if window is None else int(window),
     )
 
 

@@ -28,6 +28,9 @@ class SequenceSlice:
 
     num_new: int
     context_slots: torch.Tensor  # [context_len] long
+    # [num_new, context_len] bool: which context keys each new token attends (sliding windows,
+    # common/attention_window.py); None = causal attention over the whole context.
+    mask: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:
@@ -65,13 +68,16 @@ class _AttentionPlan:
             mask = torch.zeros(len(decode), longest, dtype=torch.bool)
             for i, (_, s) in enumerate(decode):
                 slots[i, : s.context_len] = s.context_slots
-                mask[i, : s.context_len] = True
+                mask[i, : s.context_len] = True if s.mask is None else s.mask[0]
             self.decode_slots = slots.to(device)
             self.decode_mask = mask[:, None, None, :].to(device)
 
 
 def _causal_mask(s: SequenceSlice, device: torch.device) -> torch.Tensor | None:
-    """None when the chunk is the whole context (plain causal attention)."""
+    """The slice's own mask if it has one; else None when the chunk is the whole context
+    (plain causal attention)."""
+    if s.mask is not None:
+        return s.mask.to(device)
     if s.num_new == s.context_len:
         return None
     q_pos = torch.arange(s.context_len - s.num_new, s.context_len, device=device)

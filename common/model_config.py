@@ -26,6 +26,11 @@ class ModelConfig:
     attention_bias: bool = False
     # Hugging Face style rope scaling: {"rope_type": "linear"|"llama3", "factor": ..., ...}.
     rope_scaling: dict | None = field(default=None, hash=False)
+    # Sliding-window attention (see common/attention_window.py): a query at position i attends
+    # keys in (i - sliding_window, i]; None = full causal attention.
+    sliding_window: int | None = None
+    # Leading positions every query attends besides its window (StreamingLLM sinks); needs a window.
+    attention_sinks: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -34,6 +39,13 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or null for full attention); got {self.sliding_window}")
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention sinks must be >= 0; got {self.attention_sinks}")
+        if self.attention_sinks and self.sliding_window is None:
+            raise ValueError("attention sinks need a sliding-window model (sliding_window in its config.json); "
+                             "this model attends every position already")
 
     def rope_inv_freq(self) -> torch.Tensor:
         """Inverse RoPE frequencies `[head_dim // 2]`, with the configured scaling applied."""

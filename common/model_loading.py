@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from common.attention_window import with_attention_sinks
 from common.checkpoint import load_checkpoint
 from common.default_model import default_model_path
 from common.model import LlamaModel
@@ -16,12 +17,12 @@ log = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float32,
-                             device: str = "cpu") -> tuple[LlamaModel, Tokenizer]:
+                             device: str = "cpu", attention_sinks: int = 0) -> tuple[LlamaModel, Tokenizer]:
     path = path or default_model_path()
     started = time.monotonic()
-    model = LlamaModel(load_checkpoint(path), dtype=dtype, device=device)
+    model = LlamaModel(with_attention_sinks(load_checkpoint(path), attention_sinks), dtype=dtype, device=device)
     tokenizer = load_tokenizer(path)
     log.info("model loaded", extra={"fields": {
         "model": str(path), "layers": model.config.num_layers, "dtype": str(dtype).removeprefix("torch."),
-        "seconds": round(time.monotonic() - started, 2)}})
+        "device": str(model.device), "seconds": round(time.monotonic() - started, 2)}})
     return model, tokenizer

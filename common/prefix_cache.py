@@ -1,16 +1,24 @@
 """Radix prefix cache over KV pages.
 
 A trie whose edges are one page of token ids (a tuple of `page_size` ids) and whose nodes hold
-the page with the KV of those tokens. Matching is **page-granular**: only whole pages are shared,
-so a prompt that agrees with a cached one for 1.5 pages reuses one page and recomputes the rest.
-A full page's KV depends only on the tokens up to its end, so it can be shared read-only; sharing
-a partial page would need copy-on-write, since each sharer appends different tokens into it.
+the page with the KV of those tokens. A full page's KV depends only on the tokens up to its end,
+so it can be shared read-only by every sequence that starts with those tokens.
+
+A sequence that stops on a partial page leaves that page behind as a **tail**: a leaf hanging off
+the node of its last full page, keyed by the fewer than `page_size` tokens it holds. A tail is
+never shared. When a new prompt's match runs through the full pages into a tail's leading tokens
+and the cache is the tail page's only holder, `match` hands the page itself over: the cache
+forgets it, the caller owns it and overwrites the slots past the match (the popped tokens). So a
+prompt that extends a finished sequence reuses all of its KV and no page is ever copied. A
+partial-page agreement with a page that is shared (a full page, or a tail someone else holds) is
+not reused: those tokens are recomputed.
 
 Reference counting: the cache holds one allocator reference on every page it records; `match`
-gives the caller one more on each page it returns. A page is evictable when the cache is its
-only holder (refcount 1) and its node is a leaf; eviction is least recently used first and
-cascades up as parents become leaves. The allocator's refcounts are the only record of who else
-holds a page, so in-use leaves are found when eviction reaches them and skipped.
+gives the caller one more on each full page it returns, and transfers the cache's own reference
+on a tail page it hands over. A page is evictable when the cache is its only holder
+(refcount 1) and its node is a leaf (no children, no tails); eviction is least recently used first
+and cascades up as parents become leaves. The allocator's refcounts are the only record of who
+else holds a page, so in-use leaves are found when eviction reaches them and skipped.
 
 LRU uses a min-heap of `(last_access, serial, node)` for leaves with lazy invalidation: a
 touch pushes a fresh entry and older ones are recognised as stale when popped. Stale entries are
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from common.page_allocator import OutOfPages, PageAllocator
 
@@ -30,16 +38,35 @@ _HeapEntry = tuple[int, int, "_Node"]
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "last_access", "serial", "removed")
+    __slots__ = ("key", "page", "parent", "children", "tails", "is_tail", "last_access", "serial", "removed")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, serial: int) -> None:
+    def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, serial: int,
+                 is_tail: bool = False) -> None:
         self.key = key
         self.page = page
         self.parent = parent
-        self.children: dict[tuple[int, ...], _Node] = {}
+        self.children: dict[tuple[int, ...], _Node] = {}  # full pages continuing this one
+        self.tails: dict[tuple[int, ...], _Node] = {}  # partial pages continuing this one
+        self.is_tail = is_tail
         self.last_access = 0
         self.serial = serial
         self.removed = False
+
+    def is_leaf(self) -> bool:
+        return not self.children and not self.tails
+
+    def kids(self) -> Iterator[_Node]:
+        yield from self.children.values()
+        yield from self.tails.values()
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class PrefixCache:
@@ -59,44 +86,56 @@ class PrefixCache:
         return self._num_nodes
 
     def match(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Longest cached prefix of `token_ids` in whole pages: `(pages, matched_token_count)`.
+        """Longest cached prefix of `token_ids`: `(pages, matched_token_count)`.
 
-        The caller owns one reference on each returned page and must decref it when done. The
-        whole of `token_ids` may match: pass only what may be reused (e.g. `prompt[:-1]`).
+        The caller owns one reference on each returned page and must decref it when done. When
+        the match ends inside a handed-over tail page (the last returned page), that page is the
+        caller's alone and `matched_token_count` is not a multiple of the page size. The whole of
+        `token_ids` may match: pass only what may be reused (e.g. `prompt[:-1]`).
         """
-        path: list[_Node] = []
-        node = self._root
-        for key in self._page_keys(token_ids):
-            child = node.children.get(key)
-            if child is None:
-                break
-            path.append(child)
-            node = child
+        path, tail, tail_len = self._lookup(token_ids)
         pages = [n.page for n in path]
         self.allocator.incref(pages)
+        if tail is not None:
+            self._detach(tail)  # the cache's reference on the page becomes the caller's
+            pages.append(tail.page)
         self._touch(path)
-        return pages, len(pages) * self.page_size
+        return pages, len(path) * self.page_size + tail_len
+
+    def matched_length(self, token_ids: Sequence[int]) -> int:
+        """How many tokens `match` would reuse now, without taking or touching anything."""
+        path, _, tail_len = self._lookup(token_ids)
+        return len(path) * self.page_size + tail_len
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> None:
-        """Record the full pages of a sequence: `token_ids[:k*page_size]` -> `pages[:k]`.
+        """Record a sequence's computed KV: `token_ids[:k*page_size]` -> `pages[:k]` as full
+        pages, and a trailing partial page as a tail of the last full page's node.
 
-        A trailing partial page is ignored. Where a node already exists (the same tokens were
-        computed twice), the cached page is kept and the caller's duplicate is not referenced.
+        Where a node already exists (the same tokens were computed twice), the cached page is kept
+        and the caller's duplicate is not referenced; so is a cached tail that starts with all of
+        the new tail's tokens. Cached tails the new tail extends are dropped (it holds their KV).
         """
         keys = self._page_keys(token_ids)
-        if len(pages) < len(keys):
-            raise ValueError(f"{len(keys)} full pages of tokens but only {len(pages)} pages given")
+        tail_tokens = tuple(int(t) for t in token_ids[len(keys) * self.page_size :])
+        needed = len(keys) + bool(tail_tokens)
+        if len(pages) < needed:
+            raise ValueError(f"{len(token_ids)} tokens fill {needed} pages but only {len(pages)} pages given")
         path: list[_Node] = []
         node = self._root
         for key, page in zip(keys, pages):
             child = node.children.get(key)
             if child is None:
-                self.allocator.incref([page])
-                child = _Node(key, page, node, next(self._serials))
-                node.children[key] = child
-                self._num_nodes += 1
+                # A tail on this very page was recorded while its sequence still filled it.
+                self._drop_tails(node, lambda t: t.page == page)
+                child = self._add(node, key, page)
             path.append(child)
             node = child
+        if tail_tokens:
+            tail = next((t for t in node.tails.values() if t.key[: len(tail_tokens)] == tail_tokens), None)
+            if tail is None:
+                self._drop_tails(node, lambda t: tail_tokens[: len(t.key)] == t.key)
+                tail = self._add(node, tail_tokens, pages[len(keys)], is_tail=True)
+            path.append(tail)
         self._touch(path)
 
     def evict(self, num_pages: int) -> int:
@@ -117,7 +156,7 @@ class PrefixCache:
             self._remove_leaf(node)
             freed += 1
             parent = node.parent
-            if parent is not self._root and not parent.children:
+            if parent is not self._root and parent.is_leaf():
                 self._push(parent)
         for entry in in_use:
             heapq.heappush(self._heap, entry)
@@ -127,30 +166,31 @@ class PrefixCache:
         """How many pages `evict` could free now: nodes whose whole subtree is held only by the
         cache. O(cached pages), since other holders' refcounts change without telling the cache."""
         count = 0
-        evictable: dict[int, bool] = {}  # by serial, for nodes whose children are all decided
+        evictable: dict[int, bool] = {}  # by serial, for nodes whose kids are all decided
         # Iterative post-order: the trie can be deeper than Python's recursion limit.
-        stack: list[tuple[_Node, bool]] = [(c, False) for c in self._root.children.values()]
+        stack: list[tuple[_Node, bool]] = [(c, False) for c in self._root.kids()]
         while stack:
-            node, children_done = stack.pop()
-            if not children_done:
+            node, kids_done = stack.pop()
+            if not kids_done:
                 stack.append((node, True))
-                stack.extend((c, False) for c in node.children.values())
+                stack.extend((c, False) for c in node.kids())
                 continue
-            children_ok = [evictable.pop(c.serial) for c in node.children.values()]
-            ok = all(children_ok) and self.allocator.refcount(node.page) == 1
+            kids_ok = [evictable.pop(c.serial) for c in node.kids()]
+            ok = all(kids_ok) and self.allocator.refcount(node.page) == 1
             evictable[node.serial] = ok
             count += ok
         return count
 
     def clear(self) -> None:
         """Drop every cache reference (pages still held by sequences stay allocated)."""
-        stack = list(self._root.children.values())
+        stack = list(self._root.kids())
         while stack:
             node = stack.pop()
-            stack.extend(node.children.values())
+            stack.extend(node.kids())
             node.removed = True
             self.allocator.decref([node.page])
         self._root.children.clear()
+        self._root.tails.clear()
         self._num_nodes = 0
         self._heap.clear()
 
@@ -168,12 +208,44 @@ class PrefixCache:
             self.evict(short)
         return self.allocator.allocate(n)
 
+    def _lookup(self, token_ids: Sequence[int]) -> tuple[list[_Node], _Node | None, int]:
+        """The matching path of full pages, then the tail (with its matched token count) that
+        `match` would hand over: the one matching most of what follows, among those only the
+        cache holds."""
+        path: list[_Node] = []
+        node = self._root
+        for key in self._page_keys(token_ids):
+            child = node.children.get(key)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        start = len(path) * self.page_size
+        rest = token_ids[start : start + self.page_size - 1]  # a tail holds fewer than a page
+        best, best_len = None, 0
+        for tail in node.tails.values():
+            n = _common_prefix_length(tail.key, rest)
+            if n > best_len and self.allocator.refcount(tail.page) == 1:
+                best, best_len = tail, n
+        return path, best, best_len
+
     def _page_keys(self, token_ids: Sequence[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
         return [
             tuple(int(t) for t in token_ids[i : i + ps])
             for i in range(0, len(token_ids) - ps + 1, ps)
         ]
+
+    def _add(self, parent: _Node, key: tuple[int, ...], page: int, is_tail: bool = False) -> _Node:
+        self.allocator.incref([page])
+        node = _Node(key, page, parent, next(self._serials), is_tail)
+        (parent.tails if is_tail else parent.children)[key] = node
+        self._num_nodes += 1
+        return node
+
+    def _drop_tails(self, node: _Node, which: Callable[[_Node], bool]) -> None:
+        for tail in [t for t in node.tails.values() if which(t)]:
+            self._remove_leaf(tail)
 
     def _touch(self, path: list[_Node]) -> None:
         """Mark a root-down path as used now; only its last node can be a leaf."""
@@ -182,7 +254,7 @@ class PrefixCache:
         self._clock += 1
         for node in path:
             node.last_access = self._clock
-        if not path[-1].children:
+        if path[-1].is_leaf():
             self._push(path[-1])
 
     def _push(self, node: _Node) -> None:
@@ -192,15 +264,19 @@ class PrefixCache:
 
     def _is_stale(self, entry: _HeapEntry) -> bool:
         last_access, _, node = entry
-        return node.removed or bool(node.children) or node.last_access != last_access
+        return node.removed or not node.is_leaf() or node.last_access != last_access
 
     def _compact_heap(self) -> None:
         live = {id(e[2]): e for e in self._heap if not self._is_stale(e)}
         self._heap = list(live.values())
         heapq.heapify(self._heap)
 
-    def _remove_leaf(self, node: _Node) -> None:
-        del node.parent.children[node.key]
+    def _detach(self, node: _Node) -> None:
+        """Forget a leaf without dropping the cache's reference on its page."""
+        del (node.parent.tails if node.is_tail else node.parent.children)[node.key]
         node.removed = True
         self._num_nodes -= 1
+
+    def _remove_leaf(self, node: _Node) -> None:
+        self._detach(node)
         self.allocator.decref([node.page])

@@ -17,6 +17,7 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int) -> SamplingPara
         ignore_eos=msg.ignore_eos,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
+        n=msg.n if msg.HasField("n") else 1,
     )
     try:
         params.validate(vocab_size)
@@ -27,7 +28,7 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int) -> SamplingPara
 
 def chunk_to_proto(request_id: str, chunk: Chunk) -> pb.GenerationChunk:
     msg = pb.GenerationChunk(request_id=request_id, token_ids=chunk.token_ids, text=chunk.text,
-                             finish_reason=chunk.finish_reason or "")
+                             finish_reason=chunk.finish_reason or "", index=chunk.index)
     if chunk.usage is not None:
         u = chunk.usage
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

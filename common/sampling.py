@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 
 MIN_TEMPERATURE = 1e-5
+MAX_N = 16  # parallel samples per request; each one decodes as a sequence of its own
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # parallel samples sharing the prompt's KV
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError with a message a caller can act on."""
@@ -38,6 +40,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N} parallel samples, got {self.n}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of parallel sample `index`. With a seed, sample i draws exactly the
+        tokens an n=1 request with `seed + i` would draw (so sample 0 is the n=1 request)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 @dataclass
@@ -45,12 +54,18 @@ class Sampler:
     """Draws the next token of one request; seeded requests are reproducible."""
 
     params: SamplingParams
-    generator: torch.Generator = field(init=False)
+    seed: int = field(init=False)
+    # Made at the first random draw, on the logits' device (a CUDA draw needs a CUDA generator).
+    generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.generator = torch.Generator()
-        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-        self.generator.manual_seed(seed)
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.seed)
+        return self.generator
 
     def sample(self, logits: torch.Tensor) -> int:
         """`logits` is `[vocab]` fp32."""
@@ -68,4 +83,4 @@ class Sampler:
             drop = probs.cumsum(-1) - probs >= p.top_p
             logits = logits.scatter(0, order[drop], float("-inf"))
         probs = logits.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)))

@@ -5,6 +5,13 @@ token budget, prefill chunks of requests still prefilling (oldest first), so a l
 never stalls the running decodes for more than one chunk. Requests join and leave between
 steps. When the pool runs out of pages mid-decode, the newest request is preempted: its
 pages go to the prefix cache and it is recomputed later (usually from those cached pages).
+
+Parallel sampling (`n > 1`): the request prefills once; when its prompt is computed, samples
+1..n-1 fork its KV (`Engine.fork`: full pages shared, the last partial page copied) and each of
+the n samples draws its first token from the same logits, then decodes as a sequence of its own
+(preempted, recomputed and finished on its own). A sample's tokens are the prompt plus its own
+output, so it can always be recomputed. The n samples share one output stream (chunks carry the
+sample's index); it ends after the last sample finishes.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from common.engine_loop import EngineLoop
 from common.page_allocator import OutOfPages
 from common.sampling import Sampler, SamplingParams
 from common.tokenizer import Tokenizer
+from common.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +40,9 @@ class Usage:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed piece of a generation. The last chunk of a request has `finish_reason`
-    set ("stop", "length", "abort" or "error") and carries `usage`."""
+    """One streamed piece of parallel sample `index` (0 unless n > 1). The last chunk of each
+    sample has `finish_reason` set ("stop", "length", "abort" or "error"); the request's final
+    chunk, sent when its last sample finishes, also carries `usage` for all of them."""
 
     token_ids: list[int]
     text: str
@@ -42,19 +51,43 @@ class Chunk:
     # With finish_reason "error": a gRPC status name ("RESOURCE_EXHAUSTED", "INTERNAL") and why.
     error_code: str | None = None
     error: str | None = None
+    index: int = 0
+
+    @property
+    def final(self) -> bool:
+        """Whether this is the stream's last chunk."""
+        return self.usage is not None
 
 
-@dataclass
-class _Request:
+@dataclass(eq=False)
+class _Group:
+    """What the n samples of one request share."""
+
     request_id: str
+    params: SamplingParams
+    prompt_len: int
+    cached_tokens: int
+    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    unforked: bool = False  # samples 1..n-1 are still to fork from sample 0
+    running: int = 1  # samples not finished
+    completion_tokens: int = 0  # of the finished samples
+
+
+@dataclass(eq=False)  # compared by identity: two samples may hold equal fields
+class _Request:
+    """One generating sequence: a request, or one of its parallel samples."""
+
+    group: _Group
+    index: int
     seq: Sequence
     params: SamplingParams
     sampler: Sampler
     detok: IncrementalDetokenizer
-    prompt_len: int
-    cached_tokens: int
-    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     num_generated: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
 
 
 class RequestHandle:
@@ -71,10 +104,12 @@ class RequestHandle:
 
 
 class Scheduler(EngineLoop):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
+                 tracer: Tracer | None = None) -> None:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         super().__init__(engine, name="scheduler")
+        self.tracer = tracer or Tracer("scheduler")
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
         self._active: list[_Request] = []  # admission order
@@ -89,17 +124,15 @@ class Scheduler(EngineLoop):
 
     def submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
         """Queue `seq` (its first `num_computed` positions already in the pool) for generation."""
-        r = _Request(
-            request_id, seq, params, Sampler(params),
-            IncrementalDetokenizer(self.tokenizer, params.stop),
-            prompt_len=len(seq.token_ids), cached_tokens=seq.num_cached,
-        )
+        group = _Group(request_id, params, len(seq.token_ids), seq.num_cached, unforked=params.n > 1)
+        r = self._sample(group, 0, seq)
         with self._wakeup:
             if self._stopped:
                 raise RuntimeError("the scheduler is shutting down")
             self._active.append(r)
             self.notify()
-        return RequestHandle(request_id, r.outputs)
+        self.tracer.event(request_id, "generation_start", computed_tokens=seq.num_computed)
+        return RequestHandle(request_id, group.outputs)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages; False if it is not running here."""
@@ -120,8 +153,15 @@ class Scheduler(EngineLoop):
             return sum(r.seq.num_pending for r in self._active if r.seq.num_pending > 1)
 
     def num_active(self) -> int:
+        """Requests running here (the samples of one count once)."""
         with self.lock:
-            return len(self._active)
+            return len({id(r.group) for r in self._active})
+
+    def total_tokens(self) -> int:
+        """Prompt plus generated tokens of every admitted request (the decode node's
+        --max-total-tokens load)."""
+        with self.lock:
+            return sum(len(r.seq.token_ids) for r in self._active)
 
     # ---- the loop ----
 
@@ -145,9 +185,11 @@ class Scheduler(EngineLoop):
             return
         with self.lock:
             for (r, _), row in zip(work, logits):
+                self.engine.trim_to_window(r.seq)
                 if r.seq.num_pending == 0 and r in self._active:
                     try:
-                        self._emit_token(r, r.sampler.sample(row))
+                        for sample in [r, *self._fork_samples(r)]:
+                            self._emit_token(sample, sample.sampler.sample(row))
                     except Exception as exc:  # one request's bad sample must not stop the loop
                         log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
                         self._fail(r, "INTERNAL", f"sampling failed: {exc}")
@@ -164,9 +206,9 @@ class Scheduler(EngineLoop):
         decoding = [r for r in self._active if r.seq.num_pending == 1]
         prefilling = [r for r in self._active if r.seq.num_pending > 1]
         for r in decoding:
-            if budget == 0 or r not in self._active:  # preempted by an earlier reservation
+            if budget == 0 or r.seq.num_pending != 1:  # preempted by an earlier reservation
                 continue
-            if self._reserve(r, 1):
+            if self._reserve(r, 1, work):
                 work.append((r, 1))
                 budget -= 1
         for r in prefilling:
@@ -178,7 +220,7 @@ class Scheduler(EngineLoop):
             if not r.seq.pages:  # preempted earlier
                 self.engine.attach_cached_prefix(r.seq)
                 n = min(r.seq.num_pending, budget)
-            if self._reserve(r, n, preempt=False):
+            if self._reserve(r, n, work, preempt=False):
                 work.append((r, n))
                 budget -= n
         if not work and self._active:
@@ -187,14 +229,16 @@ class Scheduler(EngineLoop):
                        "the KV pool cannot hold this request; send a shorter prompt or fewer max_tokens")
         return work
 
-    def _reserve(self, r: _Request, n: int, preempt: bool = True) -> bool:
-        """Reserve pages for `n` more positions of `r`, preempting newer requests if allowed."""
+    def _reserve(self, r: _Request, n: int, planned: list[tuple[_Request, int]], preempt: bool = True) -> bool:
+        """Reserve pages for `n` more positions of `r`, preempting the newest requests not
+        `planned` for this step if allowed."""
         while True:
             try:
                 self.engine.reserve(r.seq, r.seq.num_computed + n)
                 return True
             except OutOfPages:
-                victims = [v for v in self._active if v is not r and v.seq.pages]
+                busy = {id(p) for p, _ in planned}
+                victims = [v for v in self._active if v is not r and v.seq.pages and id(v) not in busy]
                 if not preempt or not victims:
                     return False
                 self._preempt(victims[-1])
@@ -203,12 +247,40 @@ class Scheduler(EngineLoop):
         log.info("preempting %s: KV pool full", r.request_id)
         # Its pages stay in the prefix cache; it re-attaches them when it is scheduled again.
         self.engine.release(r.seq)
+        self.tracer.event(r.request_id, "preempted")
         self._active.remove(r)
         self._active.append(r)
+
+    def _sample(self, group: _Group, index: int, seq: Sequence) -> _Request:
+        params = group.params.for_sample(index)
+        return _Request(group, index, seq, params, Sampler(params), IncrementalDetokenizer(self.tokenizer, params.stop))
+
+    def _fork_samples(self, r: _Request) -> list[_Request]:
+        """Samples 1..n-1 of `r`'s request, once its prompt is computed (none otherwise), placed
+        after it in admission order. A sample that gets no page for its copy of the prompt's
+        partial last page starts without KV and is recomputed, as a preempted one is."""
+        group = r.group
+        if not group.unforked:
+            return []
+        group.unforked = False
+        samples = []
+        for index in range(1, group.params.n):
+            seq_id = f"{group.request_id}#{index}"
+            try:
+                seq = self.engine.fork(r.seq, seq_id)
+            except OutOfPages:
+                seq = Sequence(seq_id, list(r.seq.token_ids))
+            samples.append(self._sample(group, index, seq))
+        at = self._active.index(r) + 1
+        self._active[at:at] = samples
+        group.running += len(samples)
+        return samples
 
     def _emit_token(self, r: _Request, token: int) -> None:
         r.seq.token_ids.append(token)
         r.num_generated += 1
+        if r.num_generated == 1 and r.index == 0:
+            self.tracer.event(r.request_id, "first_token")
         p = r.params
         eos = not p.ignore_eos and token == self.tokenizer.eos_token_id
         text = "" if eos else r.detok.push(token)
@@ -218,18 +290,30 @@ class Scheduler(EngineLoop):
         elif r.num_generated >= p.max_tokens or len(r.seq.token_ids) >= self.engine.model.config.max_position_embeddings:
             reason = "length"
         if reason is None:
-            r.outputs.put(Chunk([token], text))
+            r.group.outputs.put(Chunk([token], text, index=r.index))
         else:
             self._finish(r, [token], text + r.detok.flush(), reason)
 
     def _finish(self, r: _Request, tokens: list[int], text: str, reason: str,
                 error_code: str | None = None, error: str | None = None) -> None:
+        """End one sample and free its pages (exactly once: it leaves `_active` here). The
+        request's last sample to end sends the final chunk, with everyone's usage."""
+        if r not in self._active:
+            return  # already ended: a failure ends every sample of its request
+        self._active.remove(r)
         self.engine.release(r.seq, cache=reason != "error")
-        if r in self._active:
-            self._active.remove(r)
-        usage = Usage(r.prompt_len, r.num_generated, r.cached_tokens)
-        r.outputs.put(Chunk(tokens, text, reason, usage, error_code, error))
+        group = r.group
+        group.running -= 1
+        group.completion_tokens += r.num_generated
+        usage = None
+        if group.running == 0:
+            usage = Usage(group.prompt_len, group.completion_tokens, group.cached_tokens)
+            self.tracer.event(r.request_id, "finished", finish_reason=reason,
+                              completion_tokens=group.completion_tokens)
+        group.outputs.put(Chunk(tokens, text, reason, usage, error_code, error, r.index))
 
     def _fail(self, r: _Request, code: str, message: str) -> None:
-        self._finish(r, [], "", "error", code, message)
+        """Fail `r`'s request: every sample of it ends with the error."""
+        for sample in [s for s in self._active if s.group is r.group]:
+            self._finish(sample, [], "", "error", code, message)
 

@@ -6,6 +6,7 @@ import sys
 
 from common.daemon import GrpcDaemon, run_node
 from common.model_loading import load_model_and_tokenizer
+from common.openai_http import attach_openai_front
 from decode_node.config import DecodeNodeConfig, parse_args
 from decode_node.node import DecodeNode
 from decode_node.service import DecodeNodeService
@@ -14,8 +15,11 @@ from protos.duet.v1 import duet_pb2_grpc
 
 def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
     config = dataclasses.replace(config, port=daemon.port)  # with --port 0 only the bound port is known
-    node = DecodeNode(config, *load_model_and_tokenizer(config.model))
+    node = DecodeNode(config, *load_model_and_tokenizer(config.model, config.torch_dtype, config.device,
+                                                          attention_sinks=config.attention_sinks))
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node), daemon.server)
+    if config.openai_port is not None:
+        attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model)
     return node
 
 

@@ -4,28 +4,59 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.daemon_config import DaemonConfig, daemon_parser, parse_config
+from common.openai_http import add_openai_args
+
+ADMISSION_MODES = ("reject", "queue")
 
 
 @dataclass(frozen=True)
 class DecodeNodeConfig(DaemonConfig):
     lease_seconds: float = 30.0
-    max_requests: int = 256  # generating or waiting to; more are refused with RESOURCE_EXHAUSTED
+    # How long pages a one-sided (NIXL) writer was cleared to write stay out of circulation when
+    # it never reports back; must exceed the prefill nodes' --transfer-timeout-seconds.
+    quarantine_seconds: float = 60.0
+    # Requests held at once: admitted plus waiting for admission; more are refused with RESOURCE_EXHAUSTED.
+    max_requests: int = 256
     # Fraction of the pool PrepareReceive leaves free for running decodes to grow into.
     admission_watermark: float = 0.05
+    admission: str = "reject"  # what a request that does not fit gets: "reject" (RESOURCE_EXHAUSTED) or "queue"
+    max_queued_requests: int = 32  # queue mode: waiters; each holds a gRPC worker thread (64 in all)
+    max_running_requests: int | None = None  # admitted (generating or reserved) at once; None = max_requests
+    max_total_tokens: int | None = None  # admitted requests' prompt + generated tokens; None = no cap
     prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
     min_remote_prefill_tokens: int = 32
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
+    openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
+    served_model_name: str = ""  # the model name that API answers to; "" = derived from --model
+
+    @property
+    def running_cap(self) -> int:
+        """How many requests may be admitted at once."""
+        return self.max_requests if self.max_running_requests is None else self.max_running_requests
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.lease_seconds <= 0:
             raise ValueError("--lease-seconds must be > 0")
+        if self.quarantine_seconds <= 0:
+            raise ValueError("--quarantine-seconds must be > 0")
         if self.max_requests < 1:
             raise ValueError("--max-requests must be >= 1")
         if not 0 <= self.admission_watermark < 1:
             raise ValueError("--admission-watermark must be in [0, 1)")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"--admission must be one of {', '.join(ADMISSION_MODES)}")
+        if self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be >= 1")
+        if self.max_running_requests is not None and not 1 <= self.max_running_requests <= self.max_requests:
+            raise ValueError(f"--max-running-requests must be in [1, --max-requests ({self.max_requests})]: "
+                             "--max-requests caps admitted plus waiting requests")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError("--max-total-tokens must be >= 1")
         if not 0 <= self.pd_balance < 1:
             raise ValueError("--pd-balance must be in [0, 1)")
+        if self.openai_port is not None and not 0 <= self.openai_port < 65536:
+            raise ValueError("--openai-port must be in [0, 65535]")
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
@@ -34,11 +65,31 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                       "decode; serves duet.v1.DecodeNode over gRPC.", d)
     p.add_argument("--lease-seconds", type=float, default=d.lease_seconds,
                    help="how long a PrepareReceive reservation lives unclaimed (default %(default)s)")
+    p.add_argument("--quarantine-seconds", type=float, default=d.quarantine_seconds,
+                   help="how long pages a NIXL writer was cleared to write stay unused after their reservation "
+                   "ended, when the writer never reports back; keep it above the prefill nodes' "
+                   "--transfer-timeout-seconds (default %(default)s)")
     p.add_argument("--max-requests", type=int, default=d.max_requests,
-                   help="requests generating or queued to; beyond it new ones get RESOURCE_EXHAUSTED at once "
-                   "(default %(default)s)")
+                   help="requests held at once: admitted (generating, queued in the scheduler or holding a "
+                   "reservation) plus, with --admission queue, waiting for admission; beyond it new ones get "
+                   "RESOURCE_EXHAUSTED at once (default %(default)s)")
     p.add_argument("--admission-watermark", type=float, default=d.admission_watermark,
-                   help="fraction of pages PrepareReceive keeps free for running decodes (default %(default)s)")
+                   help="fraction of pages admission keeps free for running decodes (default %(default)s)")
+    p.add_argument("--admission", default=d.admission, choices=ADMISSION_MODES,
+                   help="a request that does not fit now (pages, --max-running-requests, --max-total-tokens): "
+                   "'reject' answers RESOURCE_EXHAUSTED at once; 'queue' makes PrepareReceive and Generate wait, "
+                   "first come first served, until it fits or the call's deadline passes (default %(default)s)")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="--admission queue: requests that may wait; beyond it RESOURCE_EXHAUSTED at once. Each "
+                   "waiter holds one of the 64 gRPC worker threads (default %(default)s)")
+    p.add_argument("--max-running-requests", type=int, default=None, metavar="N",
+                   help="requests admitted at once (generating, queued in the scheduler or holding a "
+                   "reservation); more wait or are refused per --admission. At most --max-requests, which "
+                   "also counts waiters (default: --max-requests)")
+    p.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
+                   help="cap on the tokens of admitted requests, each counted as its prompt plus the tokens "
+                   "generated so far; a prompt that would pass it waits or is refused per --admission "
+                   "(default: no cap but the KV pool)")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill node for Generate to hand prompts to (repeatable); none = single-node mode")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=d.min_remote_prefill_tokens,
@@ -46,4 +97,5 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
     p.add_argument("--pd-balance", type=float, default=d.pd_balance, metavar="F",
                    help="prefill the last fraction F of each prompt here instead of on the prefill node "
                    "(default %(default)s)")
+    add_openai_args(p)
     return parse_config(p, DecodeNodeConfig, argv)

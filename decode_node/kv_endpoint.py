@@ -13,6 +13,9 @@ from protos.duet.v1 import duet_pb2 as pb
 
 class KvEndpoint(Protocol):
     transport: str
+    # True when peers write into the pool without this node seeing the bytes (NIXL), so the
+    # pages they were cleared to write need a fence (decode_node/write_fences.py).
+    one_sided: bool
 
     def info(self) -> pb.TransportInfo: ...
 
@@ -21,6 +24,7 @@ class KvEndpoint(Protocol):
 
 class TcpEndpoint:
     transport = "tcp"
+    one_sided = False  # the receiver copies every byte itself and pins the pages meanwhile
 
     def __init__(self, pool: KVPool, authorize: Authorizer, host: str, advertise_host: str) -> None:
         self._receiver = TcpKvReceiver(pool, authorize, host=host)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from decode_node.reservations import ReservationTable
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class DecodeMetrics:
@@ -27,6 +28,20 @@ class DecodeMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.prefix_hit_tokens = Counter("duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                          registry=r)
+        Gauge("duet_kv_pages_quarantined", "Pages of expired or aborted reservations kept from reuse while "
+              "their one-sided writer may still write them", registry=r).set_function(
+            lambda: read_locked(engine, reservations.quarantined_pages))
+        self.quarantine_expiries = Counter(
+            "duet_quarantine_expiries", "Write fences dropped after --quarantine-seconds because the writer never "
+            "reported back (a prefill node died or was cut off mid-transfer)", registry=r)
         self.lease_expiries = Counter("duet_lease_expiries", "Reservations freed because their lease ran out",
                                       registry=r)
+        self.admission_queue_depth = Gauge("duet_admission_queue_depth",
+                                           "Requests waiting for admission (--admission queue)", registry=r)
+        self.admission_wait = Histogram("duet_admission_wait_seconds", "Time requests spent waiting for admission, "
+                                        "until admitted or given up", buckets=_WAIT_BUCKETS, registry=r)
+        self.admission_refusals = Counter(
+            "duet_admission_refusals", "Requests refused at admission with RESOURCE_EXHAUSTED, by reason: "
+            "max_requests, queue_full, too_large (never fits), or (--admission reject) pages, running, tokens",
+            ["reason"], registry=r)
 

@@ -10,17 +10,18 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from common.engine import Engine, Sequence
+from common.engine import Sequence
 from common.fingerprint import fingerprint_of, mismatch
 from common.errors import Aborted, AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from common.kv_metadata import decode_segments, encode_segments
 from common.model import LlamaModel
-from common.page_allocator import OutOfPages
 from common.router.prefill_pool import PrefillPool
 from common.sampling import SamplingParams
 from common.scheduler import RequestHandle, Scheduler
 from common.tokenizer import Tokenizer
+from common.tracing import Tracer
 from common.transports.tcp_transport import WriteGrant
+from decode_node.admission import Admission, ReleaseNotifyingEngine
 from decode_node.config import DecodeNodeConfig
 from decode_node.kv_endpoint import open_endpoint
 from decode_node.metrics import DecodeMetrics
@@ -47,10 +48,17 @@ class DecodeNode:
     def __init__(self, config: DecodeNodeConfig, model: LlamaModel, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.engine = Engine(model, config.kv_pages, config.page_size)
-        self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens)
-        self.reservations = ReservationTable(self.engine, on_expire=lambda r: self.metrics.lease_expiries.inc())
+        self.engine = ReleaseNotifyingEngine(model, config.kv_pages, config.page_size)
+        self.tracer = Tracer(f"decode {config.advertise_address}", config.trace_requests)
+        self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens, tracer=self.tracer)
+        self.reservations = ReservationTable(
+            self.engine, on_expire=self._lease_expired, quarantine_seconds=config.quarantine_seconds,
+            on_quarantine_expiry=lambda n: self.metrics.quarantine_expiries.inc(n))
         self.metrics = DecodeMetrics(self.engine, self.reservations)
+        self.admission = Admission(
+            config, self.engine, running=lambda: self.scheduler.num_active() + len(self.reservations),
+            admitted_tokens=lambda: self.scheduler.total_tokens() + self.reservations.reserved_tokens(),
+            metrics=self.metrics)
         self._handing_off: set[str] = set()  # Generate requests waiting for a prefill node
         self._aborted_hand_offs: set[str] = set()
         self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls)
@@ -64,6 +72,10 @@ class DecodeNode:
     @property
     def vocab_size(self) -> int:
         return self.engine.model.config.vocab_size
+
+    def _lease_expired(self, r: Reservation) -> None:
+        self.metrics.lease_expiries.inc()
+        self.tracer.event(r.request_id, "lease_expired")
 
     def shutdown(self) -> None:
         self.prefill_pool.close()
@@ -94,20 +106,42 @@ class DecodeNode:
         return list(token_ids)
 
     def _check_unused(self, request_id: str) -> None:
-        if request_id in self.reservations or self.scheduler.is_active(request_id):
+        if request_id in self.reservations or self.scheduler.is_active(request_id) or \
+                self.admission.is_waiting(request_id):
             raise AlreadyExists(f"request {request_id!r} is still live; use a new request_id or Abort it first")
 
-    def _check_capacity(self) -> None:
-        """Admission: a reservation counts from PrepareReceive on, so StartGeneration never
-        finds the scheduler full after the KV was moved."""
-        if self.scheduler.num_active() + len(self.reservations) >= self.config.max_requests:
-            raise ResourceExhausted(f"{self.config.max_requests} requests are already running, queued or "
-                                    "reserved here (--max-requests); retry later")
+    # ---- admission (decode_node/admission.py); a reservation counts as admitted from
+    # PrepareReceive on, so StartGeneration never finds the node full after the KV was moved ----
+
+    def _footprint(self, positions: int) -> int:
+        """Pages a sequence of `positions` positions occupies at most (a sliding window caps it)."""
+        pages = -(-positions // self.engine.page_size)
+        window = self.engine.window
+        return pages if window is None else min(pages, window.max_pages(self.engine.page_size))
+
+    def _admitted_sequence(self, request_id: str, tokens: list[int], end: int,
+                           receiving: bool) -> tuple[Sequence, int]:
+        """If admission lets it start now: a sequence holding the cached prefix of `tokens` and
+        pages for positions up to `end`, and the first position it needs computed elsewhere
+        (`receiving`: by a writer) or here. Else NotAdmitted, with nothing held."""
+        seq = self.engine.new_sequence(request_id, tokens)
+        try:
+            begin = self.engine.receive_begin(seq, end) if receiving else seq.num_computed
+            self.admission.require_fit(self.engine.pages_needed(seq, end), len(tokens))
+            self.engine.reserve(seq, end)
+        except BaseException:
+            self.engine.release(seq, cache=False)
+            raise
+        return seq, begin
 
     # ---- the three-call flow ----
 
-    def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None) -> PreparedReceive:
-        """Reserve slots for positions [prefix_matched_length, end) of the prompt."""
+    def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None,
+                        cancelled: Callable[[], bool] = lambda: False,
+                        deadline: float | None = None) -> PreparedReceive:
+        """Reserve slots for positions [kv_window_begin, end) of the prompt: from the end of the
+        cached prefix, or with a sliding window from the first position still attended. With
+        --admission queue it waits for room until `cancelled()` or the `deadline` (monotonic)."""
         self._check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
         n = len(tokens)
@@ -118,32 +152,21 @@ class DecodeNode:
                                   f"{n}-token prompt (the decode node computes at least the last token)")
         with self.engine.lock:
             self._check_unused(request_id)
-            self._check_capacity()
-            seq = self.engine.new_sequence(request_id, tokens)
+            seq, begin = self.admission.admit(
+                request_id, self._footprint(resolved), n,
+                lambda: self._admitted_sequence(request_id, tokens, resolved, receiving=True),
+                cancelled, deadline)
             matched = seq.num_computed
-            try:
-                self._admit(seq, resolved)
-                self.engine.reserve(seq, resolved)
-            except (ResourceExhausted, OutOfPages) as exc:
-                self.engine.release(seq, cache=False)
-                raise ResourceExhausted(f"the KV pool cannot hold this request now ({exc}); retry later or "
-                                        "send a shorter prompt") from None
-            slots = self.engine.pool.slots_for(seq.pages, matched, resolved).tolist() if resolved > matched else []
+            slots = self.engine.pool.slots_for(seq.pages, begin, resolved).tolist() if resolved > begin else []
             metadata = encode_segments(slots)
-            deadline = time.time() + self.config.lease_seconds
+            lease_deadline = time.time() + self.config.lease_seconds
             reservation = Reservation(request_id, seq, matched, resolved, decode_segments(metadata),
-                                      secrets.randbits(63), deadline, complete=matched >= resolved)
+                                      secrets.randbits(63), lease_deadline, complete=matched >= resolved)
             self.reservations.add(reservation)
+        self.tracer.event(request_id, "prefix_matched", matched_tokens=matched, prompt_tokens=n)
+        self.tracer.event(request_id, "pages_reserved", pages=len(seq.held_pages), slots=len(slots))
         self.metrics.prefix_hit_tokens.inc(matched)
-        return PreparedReceive(n, matched, matched, resolved, metadata, deadline, reservation.nonce)
-
-    def _admit(self, seq: Sequence, end: int) -> None:
-        """Refuse a reservation that would eat into the pages kept for running decodes."""
-        needed = self.engine.pages_needed(seq, end)
-        available = self.engine.allocator.num_free + self.engine.prefix_cache.evictable_pages()
-        keep = int(self.config.admission_watermark * self.engine.allocator.num_pages)
-        if needed > available - keep:
-            raise ResourceExhausted(f"needs {needed} pages, {available} available, {keep} kept for running decodes")
+        return PreparedReceive(n, matched, begin, resolved, metadata, lease_deadline, reservation.nonce)
 
     def _reservation_for_writer(self, request_id: str, nonce: int) -> Reservation:
         """Called with the lock held."""
@@ -162,10 +185,22 @@ class DecodeNode:
             n = len(r.segments)
             if len(metadata) != 2 * n + 1 or metadata[0] != n or decode_segments(metadata) != r.segments:
                 raise InvalidArgument(f"kv_append_metadata does not match the slots reserved for {request_id!r}")
+            if self.kv_endpoint.one_sided:  # nothing here can stop its writes: fence them
+                self.reservations.fences.pin(request_id, nonce, r.seq.held_pages)
+        self.tracer.event(request_id, "transfer_started")
 
-    def complete_transfer(self, request_id: str, nonce: int) -> None:
+    def complete_transfer(self, request_id: str, nonce: int, abandoned: bool = False) -> None:
+        """The writer is done: its KV is all here, or (`abandoned`) it gave up and writes nothing
+        more. Either way its fence comes down, even when its reservation is already gone."""
         with self.engine.lock:
-            self._reservation_for_writer(request_id, nonce).complete = True
+            unfenced = self.reservations.fences.unpin(request_id, nonce)
+            r = self.reservations.get(request_id)
+            if abandoned and unfenced and (r is None or r.nonce != nonce):
+                return
+            r = self._reservation_for_writer(request_id, nonce)
+            if not abandoned:
+                r.complete = True
+        self.tracer.event(request_id, "transfer_abandoned" if abandoned else "transfer_complete")
 
     def authorize_write(self, request_id: str, nonce: int) -> WriteGrant:
         """Let a transport write a reservation's slots; its pages stay pinned until `unpin`, so
@@ -174,7 +209,7 @@ class DecodeNode:
             r = self._reservation_for_writer(request_id, nonce)
             if r.complete:
                 raise FailedPrecondition(f"the transfer for {request_id!r} already completed")
-            pages = list(r.seq.pages)
+            pages = r.seq.held_pages
             self.engine.allocator.incref(pages)
 
         def unpin() -> None:
@@ -211,18 +246,19 @@ class DecodeNode:
             return self.scheduler.submit(request_id, r.seq, params)
 
     def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
-                 cancelled: Callable[[], bool] = lambda: False) -> RequestHandle:
+                 cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
         when no prefill node delivers) prefill locally, reusing the prefix cache either way.
-        `cancelled` tells whether the caller gave up (then nothing more is started)."""
+        `cancelled` tells whether the caller gave up (then nothing more is started); with
+        --admission queue it waits for room until then or the `deadline` (monotonic)."""
         self._check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
         with self.engine.lock:
-            self._check_capacity()
+            self.admission.check_room()
         if self.prefill_pool.healthy() and self._worth_remote(tokens):
             self._handing_off.add(request_id)
             try:
-                handle = self._generate_remote(request_id, tokens, params, cancelled)
+                handle = self._generate_remote(request_id, tokens, params, cancelled, deadline)
             finally:
                 self._handing_off.discard(request_id)
             if request_id in self._aborted_hand_offs:
@@ -234,32 +270,49 @@ class DecodeNode:
             raise Cancelled(f"request {request_id!r} was cancelled by the client")
         with self.engine.lock:
             self._check_unused(request_id)
-            self._check_capacity()
-            seq = self.engine.new_sequence(request_id, tokens)
+            seq = self._local_sequence(request_id, tokens, cancelled, deadline)
+            self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
             self.metrics.prefix_hit_tokens.inc(seq.num_computed)
             return self.scheduler.submit(request_id, seq, params)
 
+    def _local_sequence(self, request_id: str, tokens: list[int], cancelled: Callable[[], bool],
+                        deadline: float | None) -> Sequence:
+        """Rejecting, the scheduler queues what the pool cannot hold yet (preempting as needed).
+        Queuing, the prompt's pages (a sliding window's worth at most) are admitted and reserved
+        up front, so requests wait in the admission queue rather than crowd the scheduler."""
+        if not self.admission.queueing:
+            self.admission.check_room()
+            return self.engine.new_sequence(request_id, tokens)
+        n = len(tokens)
+        pages = self._footprint(n)
+        end = min(n, pages * self.engine.page_size)
+        seq, _ = self.admission.admit(request_id, pages, n,
+                                      lambda: self._admitted_sequence(request_id, tokens, end, receiving=False),
+                                      cancelled, deadline)
+        return seq
+
     def _worth_remote(self, tokens: list[int]) -> bool:
         with self.engine.lock:
-            pages, matched = self.engine.prefix_cache.match(tokens[:-1])
-            self.engine.allocator.decref(pages)
+            matched = self.engine.prefix_cache.matched_length(tokens[:-1])
         return len(tokens) - 1 - matched >= self.config.min_remote_prefill_tokens
 
     def _generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams,
-                         cancelled: Callable[[], bool]) -> RequestHandle | None:
+                         cancelled: Callable[[], bool], deadline: float | None) -> RequestHandle | None:
         """PrepareReceive, RemoteSend, StartGeneration; None if the KV did not arrive."""
         end = min(int((1 - self.config.pd_balance) * len(tokens)), len(tokens) - 1)
         try:
-            p = self.prepare_receive(request_id, tokens, end)
+            p = self.prepare_receive(request_id, tokens, end, cancelled, deadline)
         except ResourceExhausted:
-            return None  # local prefill queues in the scheduler instead of refusing
+            return None  # local prefill queues in the scheduler (or admission) instead of refusing
         if p.kv_window_end > p.kv_window_begin:
             request = pb.RemoteSendRequest(
                 request_id=request_id, token_ids=tokens, kv_window_begin=p.kv_window_begin,
                 kv_window_end=p.kv_window_end, kv_append_metadata=p.kv_append_metadata,
                 decode_address=self.config.advertise_address, transfer_nonce=p.transfer_nonce)
             wanted = lambda: request_id in self.reservations and not cancelled()  # noqa: E731
-            if self.prefill_pool.push(request, still_wanted=wanted) is None or cancelled():
+            with self.tracer.span(request_id, "remote_prefill") as span:
+                span["prefill"] = self.prefill_pool.push(request, still_wanted=wanted)
+            if span["prefill"] is None or cancelled():
                 with self.engine.lock:
                     self.reservations.release(request_id)
                 return None
@@ -275,16 +328,19 @@ class DecodeNode:
             return pb.NodeLoad(
                 kv_pages_total=self.engine.allocator.num_pages, kv_pages_free=self.engine.allocator.num_free,
                 kv_pages_reserved=self.reservations.reserved_pages(),
+                kv_pages_quarantined=self.reservations.quarantined_pages(),
                 kv_pages_cached=self.engine.prefix_cache.num_cached_pages,
                 running_requests=self.scheduler.num_active(),
+                queued_requests=self.admission.queue_depth,
                 queued_prefill_tokens=self.scheduler.pending_prefill_tokens())
 
     def abort(self, request_id: str) -> None:
         with self.engine.lock:
             if self.reservations.release(request_id):
+                self.tracer.event(request_id, "aborted", held="reservation")
                 if request_id in self._handing_off:  # Generate must not fall back to local prefill
                     self._aborted_hand_offs.add(request_id)
                 return
-            if self.scheduler.abort(request_id):
+            if self.scheduler.abort(request_id) or self.admission.abort(request_id):
                 return
         raise NotFound(f"no live request {request_id!r}")

@@ -19,6 +19,11 @@ from protos.duet.v1 import duet_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+def _deadline(context: grpc.ServicerContext) -> float:
+    """The call's deadline as a time.monotonic() instant (centuries away when the client set none)."""
+    return time.monotonic() + context.time_remaining()
+
+
 class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
@@ -30,8 +35,11 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
 
     def PrepareReceive(self, request: pb.PrepareReceiveRequest, context) -> pb.PrepareReceiveResponse:
         end = request.kv_window_end if request.HasField("kv_window_end") else None
+        self.node.tracer.event(request.request_id, "received", rpc="PrepareReceive",
+                               prompt_tokens=len(request.token_ids))
         try:
-            p = self.node.prepare_receive(request.request_id, request.token_ids, end)
+            p = self.node.prepare_receive(request.request_id, request.token_ids, end,
+                                          cancelled=lambda: not context.is_active(), deadline=_deadline(context))
         except RequestError as exc:
             self._fail(context, "PrepareReceive", exc)
         return pb.PrepareReceiveResponse(
@@ -56,13 +64,14 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
 
     def CompleteTransfer(self, request: pb.CompleteTransferRequest, context) -> pb.CompleteTransferResponse:
         try:
-            self.node.complete_transfer(request.request_id, request.transfer_nonce)
+            self.node.complete_transfer(request.request_id, request.transfer_nonce, request.abandoned)
         except RequestError as exc:
             self._fail(context, "CompleteTransfer", exc)
         return pb.CompleteTransferResponse()
 
     def StartGeneration(self, request: pb.StartGenerationRequest, context) -> Iterator[pb.GenerationChunk]:
         received = time.perf_counter()
+        self.node.tracer.event(request.request_id, "received", rpc="StartGeneration")
         try:
             params = sampling_from_proto(request.sampling, self.node.vocab_size)
             handle = self.node.start_generation(request.request_id, request.kv_window_begin, params)
@@ -72,17 +81,22 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
 
     def Generate(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerationChunk]:
         received = time.perf_counter()
+        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        self.node.tracer.event(rid, "received", rpc="Generate")
         try:
             params = sampling_from_proto(request.sampling, self.node.vocab_size)
             tokens = prompt_token_ids(request, self.node.tokenizer)
-            rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
-            handle = self.node.generate(rid, tokens, params, cancelled=lambda: not context.is_active())
+            handle = self.node.generate(rid, tokens, params, cancelled=lambda: not context.is_active(),
+                                        deadline=_deadline(context))
         except RequestError as exc:
             self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)
 
     def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.NodeLoad:
         return self.node.load()
+
+    def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.Trace:
+        return self.node.tracer.trace(request.request_ids)
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         try:
@@ -92,11 +106,13 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         return pb.AbortResponse()
 
     def _stream(self, rpc: str, handle: RequestHandle, context, received: float) -> Iterator[pb.GenerationChunk]:
-        """Relay chunks until the request finishes. A call cancelled at any point (even before
-        this generator first runs, or while gRPC no longer pulls it) aborts the request."""
+        """Relay chunks until the request finishes (all of its parallel samples). A call
+        cancelled at any point (even before this generator first runs, or while gRPC no longer
+        pulls it) aborts the request."""
         if not context.add_callback(lambda: self.node.scheduler.abort(handle.request_id)):
             self.node.scheduler.abort(handle.request_id)  # the call already ended
         first = None
+        samples = 1
         while True:
             chunk = handle.next_chunk(timeout=0.5)
             if chunk is None:
@@ -113,8 +129,10 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
                 self.metrics.requests.labels(rpc, chunk.error_code).inc()
                 context.abort(grpc.StatusCode[chunk.error_code], chunk.error)
             yield chunk_to_proto(handle.request_id, chunk)
-            if chunk.finish_reason:
-                if first is not None and chunk.usage.completion_tokens > 1:
-                    self.metrics.tpot.observe((now - first) / (chunk.usage.completion_tokens - 1))
+            samples = max(samples, chunk.index + 1)
+            if chunk.final:
+                per_sample = chunk.usage.completion_tokens / samples  # the samples decode side by side
+                if first is not None and per_sample > 1:
+                    self.metrics.tpot.observe((now - first) / (per_sample - 1))
                 self.metrics.requests.labels(rpc, chunk.finish_reason).inc()
                 return

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from loadgen.config import SLO_METRICS, BenchmarkConfig
 from loadgen.report import format_table, write_json
-from loadgen.runner import run_benchmark
+from loadgen.runner import BenchmarkResult, run_benchmark
+from loadgen.traces import write_run_trace
 
 
 def _slo(text: str) -> tuple[str, float]:
@@ -59,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
                    help="afterwards, run the same workload against this target and print both side by side")
     p.add_argument("--output", type=Path, metavar="FILE.json", help="write the summary and every request's timings")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="write latency CDFs and a request timeline")
+    p.add_argument("--trace", type=Path, metavar="FILE.json",
+                   help="afterwards, fetch the run's request traces (GetTrace) from --target and every --trace-from "
+                   "node, merge them and write Chrome trace-event JSON (open in Perfetto)")
+    p.add_argument("--trace-from", action="append", default=[], metavar="HOST:PORT",
+                   help="another node to fetch --trace events from, e.g. a prefill node (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = p.parse_args(argv)
     try:
@@ -88,7 +94,19 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.plot import write_plot  # matplotlib is needed only for --plot
 
         write_plot(a.plot, result, compare)
+    if a.trace:
+        _write_trace(a.trace, [config.target, *a.trace_from], result)
     return 1 if any(r.summary.completed == 0 for r in (result, compare) if r is not None) else 0
+
+
+def _write_trace(path: Path, addresses: list[str], result: BenchmarkResult) -> None:
+    """The target run's traces (not --compare's); nodes that do not answer are reported on stderr."""
+    collected = write_run_trace(path, addresses, [r.request_id for r in result.requests])
+    for address, count in collected.events_by_node.items():
+        print(f"trace: {count} events from {address}", file=sys.stderr)
+    for address, why in collected.failures.items():
+        print(f"trace: no events from {address}: {why}", file=sys.stderr)
+    print(f"trace: wrote {len(collected.events)} events to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ class RequestResult:
     """Times are seconds since the start of the run (time.perf_counter based)."""
 
     index: int
+    request_id: str  # sent with the request, so its traces on every node can be fetched
     arrival: float  # when it was due to be sent
     start: float  # when it was sent (later than arrival while --max-concurrency holds it back)
     end: float
@@ -50,20 +51,20 @@ class RequestResult:
         return (self.end - self.first_token) / (self.completion_tokens - 1)
 
 
-def generate_request(sample: SampleRequest, ignore_eos: bool) -> pb.GenerateRequest:
+def generate_request(request_id: str, sample: SampleRequest, ignore_eos: bool) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(max_tokens=sample.output_len, ignore_eos=ignore_eos)
     if sample.token_ids:
-        return pb.GenerateRequest(token_ids=sample.token_ids, sampling=sampling)
+        return pb.GenerateRequest(request_id=request_id, token_ids=sample.token_ids, sampling=sampling)
     if sample.prompt:
-        return pb.GenerateRequest(prompt=sample.prompt, sampling=sampling)
+        return pb.GenerateRequest(request_id=request_id, prompt=sample.prompt, sampling=sampling)
     messages = [pb.ChatMessage(role=role, content=content) for role, content in sample.messages]
-    return pb.GenerateRequest(messages=messages, sampling=sampling)
+    return pb.GenerateRequest(request_id=request_id, messages=messages, sampling=sampling)
 
 
-async def send_request(stub: duet_pb2_grpc.DecodeNodeStub, index: int, sample: SampleRequest, *,
+async def send_request(stub: duet_pb2_grpc.DecodeNodeStub, index: int, request_id: str, sample: SampleRequest, *,
                        origin: float, arrival: float, timeout: float | None, ignore_eos: bool) -> RequestResult:
     """Stream one request to completion; every failure becomes the result's status, never an exception."""
-    request = generate_request(sample, ignore_eos)
+    request = generate_request(request_id, sample, ignore_eos)
     start = time.perf_counter()
     first = last = None
     itl: list[float] = []
@@ -93,7 +94,7 @@ async def send_request(stub: duet_pb2_grpc.DecodeNodeStub, index: int, sample: S
         status, error = "ABORTED", "the server aborted the request"
     usage = final.usage if final is not None else pb.Usage()
     return RequestResult(
-        index=index, arrival=arrival, start=start - origin, end=end - origin,
+        index=index, request_id=request_id, arrival=arrival, start=start - origin, end=end - origin,
         first_token=None if first is None else first - origin, itl=itl,
         prompt_tokens=usage.prompt_tokens or (sample.prompt_len or 0),
         completion_tokens=usage.completion_tokens or received, cached_tokens=usage.cached_tokens,

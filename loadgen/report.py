@@ -117,6 +117,7 @@ def _request_to_dict(r: RequestResult) -> dict:
 
     return {
         "index": r.index,
+        "request_id": r.request_id,
         "status": r.status,
         "error": r.error,
         "finish_reason": r.finish_reason,

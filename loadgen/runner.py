@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -52,12 +53,14 @@ async def _run(config: BenchmarkConfig, samples: list[SampleRequest], offsets: l
         stub = duet_pb2_grpc.DecodeNodeStub(channel)
         slots = asyncio.Semaphore(config.max_concurrency or len(samples))
         origin = time.perf_counter()
+        run_id = uuid.uuid4().hex[:12]  # request ids unique across runs, so a node never sees one twice
 
         async def one(index: int) -> RequestResult:
             await asyncio.sleep(max(0.0, origin + offsets[index] - time.perf_counter()))
             arrival = time.perf_counter() - origin
             async with slots:
-                result = await send_request(stub, index, samples[index], origin=origin, arrival=arrival,
+                result = await send_request(stub, index, f"loadgen-{run_id}-{index}", samples[index],
+                                            origin=origin, arrival=arrival,
                                             timeout=config.timeout, ignore_eos=config.effective_ignore_eos)
             bar.advance(result.ok)
             return result

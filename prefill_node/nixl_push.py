@@ -2,7 +2,9 @@
 one NIXL WRITE (one descriptor per piece and K|V) into the decode node's registered pool.
 
 Posting runs on a sender thread, not the forward thread: with UCX shared memory the copy
-happens inside the post, and it should overlap the next layers' compute.
+happens inside the post, and it should overlap the next layers' compute. On a CUDA pool the
+forward only queues a layer's kernels, so each layer's post first waits for a CUDA event
+recorded when the layer was handed over (the layer's K/V are then really in the pool).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from common.kv_pool import KVPool
 from common.transports import TransferError
@@ -37,16 +40,25 @@ class NixlSession:
         self._thread = threading.Thread(target=self._post_loop, name="nixl-post", daemon=True)
         self._thread.start()
 
+    @property
+    def failed(self) -> bool:
+        """A post already failed: the transfer cannot succeed any more."""
+        return self._error is not None
+
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
         if pieces:
-            self._queue.put((layer, pieces))
+            self._queue.put((layer, pieces, _computed_event(self._pool)))
 
     def _post_loop(self) -> None:
         sb, peer = self._pool.slot_bytes(), self._peer
+        if self._pool.data.is_cuda:  # UCX's CUDA transports use the calling thread's device
+            torch.cuda.set_device(self._pool.data.device)
         while (item := self._queue.get()) is not None:
             if self._error is not None:
                 continue
-            layer, pieces = item
+            layer, pieces, computed = item
+            if computed is not None:
+                computed.synchronize()
             local = layer_byte_ranges(self._pool, layer, [(p.src_slot, p.num_slots) for p in pieces])
             remote = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot), p.num_slots * sb)
                       for kv in (0, 1) for p in pieces]
@@ -67,11 +79,23 @@ class NixlSession:
         if self._error is not None:
             raise self._error
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
+        """Wait out what was posted (until the deadline); True unless a write may still land."""
         try:
             self.finish()
-        except TransferError:
-            pass
+        except TransferError as exc:
+            return not exc.in_flight
+        return True
+
+
+def _computed_event(pool: KVPool) -> torch.cuda.Event | None:
+    """On a CUDA pool, an event that completes once the work queued so far (this layer's K/V
+    writes) has run; None on the CPU, where the forward is synchronous."""
+    if not pool.data.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(pool.data.device))
+    return event
 
 
 class NixlPusher:

@@ -12,6 +12,7 @@ from common.errors import DeadlineExceeded, InvalidArgument, RequestError, Unava
 from common.fingerprint import fingerprint_of
 from common.kv_metadata import MetadataError, expand_slots, validate_metadata
 from common.model import LlamaModel
+from common.tracing import Tracer
 from common.transports.tcp_transport import TransferError
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.decode_peers import DecodePeers
@@ -33,7 +34,8 @@ class PrefillNode:
         self.pusher = open_pusher(config.transport, self.engine.pool,
                                   name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
         self.peers = DecodePeers(self.fingerprint, self.pusher, config.tls)
-        self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens)
+        self.tracer = Tracer(f"prefill {config.advertise_address}", config.trace_requests)
+        self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens, self.tracer)
         self.metrics = PrefillMetrics(self.engine, self.scheduler)
         self.scheduler.start()
 
@@ -69,6 +71,8 @@ class PrefillNode:
         The whole call (prefill and transfer) is bounded by --transfer-timeout-seconds, and by the
         caller's deadline `timeout_s` when that is sooner: the decode node's lease bounds the
         hand-off anyway, so the two should agree."""
+        self.tracer.event(req.request_id, "received", rpc="RemoteSend", prompt_tokens=len(req.token_ids),
+                          kv_window_begin=req.kv_window_begin, kv_window_end=req.kv_window_end)
         self._validate(req)
         begin, end = req.kv_window_begin, req.kv_window_end
         metadata = list(req.kv_append_metadata)
@@ -92,6 +96,7 @@ class PrefillNode:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.peers.drop(req.decode_address)
             raise RequestError(f"decode node {req.decode_address}: {exc.details()}", exc.code()) from None
+        self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         try:
             session = self.pusher.open(req.decode_address, req.request_id, req.transfer_nonce, timeout_s)
         except TransferError as exc:
@@ -101,6 +106,7 @@ class PrefillNode:
             seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
         job = PrefillJob(seq, begin, expand_slots(metadata), session)
         cached = seq.num_computed
+        self.tracer.event(req.request_id, "prefix_matched", matched_tokens=cached, prompt_tokens=end)
         self.scheduler.submit(job)
         ok = False
         try:
@@ -109,11 +115,12 @@ class PrefillNode:
             if job.error is not None:
                 raise job.error
             prefilled = time.perf_counter()
+            self.tracer.event(req.request_id, "prefilled", computed_tokens=end - cached)
             self._finish_transfer(req, peer, session, deadline)
             ok = True
         finally:
-            if not ok:
-                session.cancel()
+            if not ok and session.cancel():
+                self._abandon(req, peer)
             self.scheduler.release(job, cache=ok)
         done = time.perf_counter()
         self.metrics.observe(end - cached, prefilled - started, done - started)
@@ -124,10 +131,22 @@ class PrefillNode:
             prefill_seconds=prefilled - started, transfer_seconds=done - started,
         )
 
+    def _abandon(self, req: pb.RemoteSendRequest, peer) -> None:
+        """Tell the decode node that this failed transfer will write nothing more, so it can
+        reuse the pages at once instead of holding them until its --quarantine-seconds pass.
+        Best effort: when the decode node is unreachable, the quarantine ends it."""
+        try:
+            peer.stub.CompleteTransfer(pb.CompleteTransferRequest(
+                request_id=req.request_id, transfer_nonce=req.transfer_nonce, abandoned=True), timeout=2.0)
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: the peer was dropped, its channel closed
+            log.info("could not report an abandoned transfer", extra={"fields": {
+                "request_id": req.request_id, "error": str(exc)}})
+
     def _finish_transfer(self, req: pb.RemoteSendRequest, peer, session, deadline: float) -> None:
         """Wait for every byte to land, then tell the decode node (request id + nonce)."""
         try:
-            session.finish()
+            with self.tracer.span(req.request_id, "transfer_finished", tokens=req.kv_window_end - req.kv_window_begin):
+                session.finish()
         except TransferError as exc:
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or exc.in_flight:
                 # A dead or stalled peer: forget its endpoint, so the next request re-handshakes
@@ -143,4 +162,4 @@ class PrefillNode:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.peers.drop(req.decode_address)
             raise RequestError(f"decode node {req.decode_address}: {exc.details()}", exc.code()) from None
-
+        self.tracer.event(req.request_id, "completion_sent")

@@ -19,17 +19,23 @@ from common.engine_loop import EngineLoop
 from common.errors import Internal, RequestError, ResourceExhausted, Unavailable
 from common.kv_metadata import encode_segments
 from common.page_allocator import OutOfPages
+from common.tracing import Tracer
 from common.transports.kv_ranges import Piece, plan_pieces
 
 log = logging.getLogger(__name__)
 
 
 class TransferSession(Protocol):
+    @property
+    def failed(self) -> bool:
+        """The transfer cannot succeed any more (its prefill can stop early)."""
+
     def post_layer(self, layer: int, pieces: list[Piece]) -> None: ...
 
     def finish(self) -> None: ...
 
-    def cancel(self) -> None: ...
+    def cancel(self) -> bool:
+        """Stop the transfer; True when none of its writes can still land."""
 
 
 @dataclass
@@ -57,9 +63,10 @@ class PrefillJob:
 
 
 class PrefillScheduler(EngineLoop):
-    def __init__(self, engine: Engine, max_batch_tokens: int) -> None:
+    def __init__(self, engine: Engine, max_batch_tokens: int, tracer: Tracer) -> None:
         super().__init__(engine, name="prefill-scheduler")
         self.max_batch_tokens = max_batch_tokens
+        self.tracer = tracer
         self._jobs: list[PrefillJob] = []  # admitted (pages reserved), in arrival order
         self._waiting: list[PrefillJob] = []  # waiting for pages
         self._in_flight: list[PrefillJob] = []  # in the forward running now
@@ -115,6 +122,7 @@ class PrefillScheduler(EngineLoop):
             cached = job.pieces(self.engine, 0, job.seq.num_computed)
             for layer in range(self.engine.pool.num_layers):
                 job.session.post_layer(layer, cached)
+                self._trace_posted(job, layer, cached, source="prefix_cache")
 
     def _has_work(self) -> bool:
         return bool(self._jobs or self._waiting)
@@ -138,19 +146,35 @@ class PrefillScheduler(EngineLoop):
             for job, _, pieces in work:
                 if pieces:
                     job.session.post_layer(layer, pieces)
+                    self._trace_posted(job, layer, pieces, source="forward")
 
+        started, started_unix = time.perf_counter(), time.time()
         try:
             self.engine.forward([(job.seq, n) for job, n, _ in work], on_layer_done=push)
         except Exception as exc:
             log.exception("prefill forward failed")
             for job, _, _ in work:
                 job.error = Internal(f"prefill failed: {exc}")
+        elapsed, batch_tokens = time.perf_counter() - started, sum(n for _, n, _ in work)
+        for job, n, _ in work:
+            self.tracer.record(job.seq.seq_id, "prefill_chunk", started_unix, elapsed, tokens=n,
+                               batch_tokens=batch_tokens)
         with self.lock:
             self._in_flight = []
             for job, _, _ in work:
                 if job.cancelled:
                     self.engine.release(job.seq, cache=False)
-                elif job.error or job.seq.num_pending == 0:
+                    continue
+                # A sliding window frees the pages no later chunk attends and the transfer never reads.
+                self.engine.trim_to_window(job.seq, keep_from=job.begin)
+                if job.error or job.session.failed or job.seq.num_pending == 0:
                     if job in self._jobs:
                         self._jobs.remove(job)
                     job.prefilled.set()
+
+    def _trace_posted(self, job: PrefillJob, layer: int, pieces: list[Piece], source: str) -> None:
+        """One layer's K/V of `job` handed to its transfer session."""
+        if pieces:
+            slots = sum(p.num_slots for p in pieces)
+            self.tracer.event(job.seq.seq_id, "transfer_layer_posted", layer=layer, slots=slots,
+                              bytes=2 * slots * self.engine.pool.slot_bytes(), source=source)

@@ -16,9 +16,13 @@ class PrefillNodeService(duet_pb2_grpc.PrefillNodeServicer):
             response = self.node.remote_send(request, context.time_remaining())
         except RequestError as exc:
             self.node.metrics.requests.labels("RemoteSend", exc.code.name).inc()
+            self.node.tracer.event(request.request_id, "failed", code=exc.code.name, error=str(exc))
             context.abort(exc.code, str(exc))
         self.node.metrics.requests.labels("RemoteSend", "OK").inc()
         return response
 
     def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.NodeLoad:
         return self.node.load()
+
+    def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.Trace:
+        return self.node.tracer.trace(request.request_ids)

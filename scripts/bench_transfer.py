@@ -111,17 +111,18 @@ def verdict(ok: bool) -> str:
 # (A) the decode process (module level, so that spawn can import it)
 
 
-def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int]]) -> None:
-    """Host a decode-shaped pool behind the decode node's NIXL and TCP endpoints; answer
+def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int]], transports: tuple[str, ...],
+                 dtype: torch.dtype, device: str) -> None:
+    """Host a decode-shaped pool behind the decode node's endpoints of `transports`; answer
     "clear" (zero the pool) and "digest" (hash of the reserved slots in position order)."""
-    pool = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE)
-    slots = torch.tensor([s for start, n in segments for s in range(start, start + n)])
+    pool = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE, dtype, device)
+    slots = torch.tensor([s for start, n in segments for s in range(start, start + n)], device=device)
 
     def authorize(request_id: str, nonce: int) -> WriteGrant:
         return WriteGrant(segments, lambda: None)
 
-    endpoints = [open_endpoint(t, pool, authorize, "127.0.0.1", name=f"{PEER}-{os.getpid()}",
-                               transfers_pending=lambda: True) for t in ("nixl", "tcp")]
+    endpoints = [open_endpoint(t, pool, authorize, "127.0.0.1", "", name=f"{PEER}-{os.getpid()}",
+                               transfers_pending=lambda: True) for t in transports]
     try:
         infos = [e.info() for e in endpoints]
         for info in infos:
@@ -141,15 +142,19 @@ def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.blake2b(t.contiguous().numpy()).hexdigest()
+    """Hash of a tensor's bytes, whatever its dtype and device."""
+    return hashlib.blake2b(t.contiguous().view(torch.uint8).cpu().numpy()).hexdigest()
 
 
 @contextmanager
-def decode_process(num_pages: int,
-                   segments: list[tuple[int, int]]) -> Iterator[tuple[Connection, list[pb.TransportInfo]]]:
-    """The decode process and its (nixl, tcp) transport infos; always stopped on exit."""
+def decode_process(num_pages: int, segments: list[tuple[int, int]], transports: tuple[str, ...] = ("nixl", "tcp"),
+                   dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> Iterator[tuple[Connection, list[pb.TransportInfo]]]:
+    """The decode process and the infos of its `transports` endpoints (a pool of `dtype` on
+    `device`); always stopped on exit."""
     ours, theirs = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_decode_side, args=(theirs, num_pages, segments), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_decode_side, daemon=True,
+                                           args=(theirs, num_pages, segments, transports, dtype, device))
     proc.start()
     theirs.close()  # so that a crashed child reads as EOF here
     try:

@@ -10,11 +10,12 @@ from common.model import LlamaModel
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
     """Greedy continuation with transformers' own KV cache; EOS does not stop it."""
-    out = hf_model(torch.tensor([prompt]), use_cache=True)
+    out = hf_model(torch.tensor([prompt], device=hf_model.device), use_cache=True)
     tokens = []
     for _ in range(num_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        out = hf_model(torch.tensor([[tokens[-1]]], device=hf_model.device), past_key_values=out.past_key_values,
+                       use_cache=True)
     return tokens
 
 

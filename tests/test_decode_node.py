@@ -118,20 +118,21 @@ def test_kv_window_end_resolution(node, end, expected):
 def test_full_prefix_hit_three_call_flow_equals_generate(node):
     prompt = _ids(40, 3)
     want, _, _ = run(node.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(8))))
-    # The finished request's two full pages are cached: a window ending at 32 needs nothing sent.
+    # The finished request's two full pages and its tail page (positions 32..46) are cached: all
+    # but the last prompt token match, and a window ending at 32 needs nothing sent.
     r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="hit", token_ids=prompt, kv_window_end=32))
-    assert r.prefix_matched_length == 32 and list(r.kv_append_metadata) == [0]
+    assert r.prefix_matched_length == 39 and list(r.kv_append_metadata) == [0]
     got, _, last = run(node.stub.StartGeneration(pb.StartGenerationRequest(
         request_id="hit", kv_window_begin=32, sampling=greedy(8))))
-    assert got == want and last.usage.cached_tokens == 32
+    assert got == want and last.usage.cached_tokens == 39
 
 
 def test_prefix_reuse_shrinks_the_reserved_range(node):
     prompt = _ids(50, 4)
     run(node.stub.Generate(pb.GenerateRequest(token_ids=prompt[:40], sampling=greedy(1))))
     r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="reuse", token_ids=prompt))
-    assert r.prefix_matched_length == 32
-    assert len(expand_slots(list(r.kv_append_metadata))) == 49 - 32
+    assert r.prefix_matched_length == 40  # two full pages and the 8 positions of the tail page
+    assert len(expand_slots(list(r.kv_append_metadata))) == 49 - 40
     node.stub.Abort(pb.AbortRequest(request_id="reuse"))
 
 

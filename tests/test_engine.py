@@ -70,11 +70,62 @@ def test_release_caches_full_pages_for_the_next_request(model):
     engine.reserve(first, 40)
     expected = engine.forward([(first, 40)])[0]
     engine.release(first)
-    assert engine.prefix_cache.num_cached_pages == 2
+    assert engine.prefix_cache.num_cached_pages == 3  # two full pages and the partial third
     second = engine.new_sequence("b", ids)
-    assert second.num_cached == second.num_computed == 32
+    # The partial page is handed over: only the last token is left to compute.
+    assert second.num_cached == second.num_computed == 39
     engine.reserve(second, 40)
-    assert torch.allclose(engine.forward([(second, 8)])[0], expected, atol=1e-4)
+    assert torch.allclose(engine.forward([(second, 1)])[0], expected, atol=1e-4)
     engine.release(second)
     engine.prefix_cache.clear()
     assert engine.allocator.num_free == 16
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_one(model):
+    engine = Engine(model, num_pages=16, page_size=16)
+    prompt = _ids(40, 5)
+    parent = engine.new_sequence("parent", prompt, use_prefix_cache=False)
+    engine.reserve(parent, 40)
+    engine.forward([(parent, 40)])
+    child = engine.fork(parent, "child")
+    assert child.token_ids == prompt and child.num_computed == 40
+    assert child.pages[:2] == parent.pages[:2] and child.pages[2] != parent.pages[2]
+    assert [engine.allocator.refcount(p) for p in parent.pages + child.pages[2:]] == [2, 2, 1, 1]
+    pool = engine.pool
+    assert torch.equal(pool.data[:, :, pool.slots_for(child.pages, 0, 40)],
+                       pool.data[:, :, pool.slots_for(parent.pages, 0, 40)])
+
+    # Each continues with a token of its own; the child's writes leave the parent's page alone.
+    parent_page = pool.data[:, :, pool.slots_for(parent.pages, 32, 48)].clone()
+    child.token_ids.append(222)
+    engine.reserve(child, 41)
+    child_logits = engine.forward([(child, 1)])[0]
+    assert torch.equal(pool.data[:, :, pool.slots_for(parent.pages, 32, 48)], parent_page)
+    parent.token_ids.append(111)
+    engine.reserve(parent, 41)
+    parent_logits = engine.forward([(parent, 1)])[0]
+    for tokens, logits in ((prompt + [222], child_logits), (prompt + [111], parent_logits)):
+        alone = engine.new_sequence("alone", tokens, use_prefix_cache=False)
+        engine.reserve(alone, 41)
+        assert torch.allclose(engine.forward([(alone, 41)])[0], logits, atol=1e-4)
+        engine.release(alone, cache=False)
+
+    engine.release(parent, cache=False)
+    engine.release(child, cache=False)
+    assert engine.allocator.num_free == 16
+
+
+def test_fork_at_a_page_boundary_copies_nothing_and_a_full_pool_changes_nothing(model):
+    engine = Engine(model, num_pages=3, page_size=16)
+    parent = engine.new_sequence("parent", _ids(33, 6), use_prefix_cache=False)
+    engine.reserve(parent, 33)
+    parent.num_computed = 32  # as if computed: forking only moves page references
+    child = engine.fork(parent, "child")
+    assert child.pages == parent.pages[:2] and engine.allocator.num_free == 0
+    parent.num_computed = 33
+    with pytest.raises(OutOfPages):
+        engine.fork(parent, "no-room")
+    assert [engine.allocator.refcount(p) for p in parent.pages] == [2, 2, 1]
+    engine.release(child, cache=False)
+    engine.release(parent, cache=False)
+    assert engine.allocator.num_free == 3

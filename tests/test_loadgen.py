@@ -22,7 +22,7 @@ SUMMARY_FIELDS = {
     "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms",
 }
 REQUEST_FIELDS = {
-    "index", "status", "error", "finish_reason", "arrival_s", "start_s", "first_token_s", "end_s", "ttft_ms",
+    "index", "request_id", "status", "error", "finish_reason", "arrival_s", "start_s", "first_token_s", "end_s", "ttft_ms",
     "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens",
 }
 STATS = {"mean", "median", "p90", "p99"}

@@ -1,4 +1,5 @@
-"""The radix prefix cache: page-granular matching, exact refcounts, LRU eviction, allocate()."""
+"""The radix prefix cache: shared full pages, handed-over tail pages, exact refcounts, LRU eviction,
+allocate()."""
 from __future__ import annotations
 
 import math
@@ -33,19 +34,19 @@ def cache_only(cache: PrefixCache, tokens: list[int]) -> list[int]:
     return pages
 
 
-def test_match_returns_only_whole_pages() -> None:
+def test_match_shares_whole_pages_but_not_a_tail_its_sequence_still_holds() -> None:
     allocator, cache = make()
     tokens = list(range(10))
     pages = run_sequence(cache, tokens)
     cache.insert(tokens, pages)
-    assert cache.num_cached_pages == 2  # the partial third page is not recorded
+    assert cache.num_cached_pages == 3  # two full pages and the partial third one, as a tail
 
     assert cache.match(tokens[:3]) == ([], 0)
     assert cache.match(tokens[:7]) == (pages[:1], 4)
-    assert cache.match(tokens) == (pages[:2], 8)
+    assert cache.match(tokens) == (pages[:2], 8)  # the tail's sequence still holds it
     assert cache.match([99] + tokens[1:]) == ([], 0)
     # The sequence, the cache, and the two matches above that returned page 0.
-    assert [allocator.refcount(p) for p in pages] == [4, 3, 1]
+    assert [allocator.refcount(p) for p in pages] == [4, 3, 2]
 
 
 def test_match_accepts_any_int_sequence() -> None:
@@ -64,12 +65,12 @@ def test_refcounts_exact_and_nothing_leaks() -> None:
     assert b[:2] == a[:2]
     cache.insert(list(range(8)) + [50, 51, 52, 53, 54], b)
     assert [allocator.refcount(p) for p in a] == [3, 3, 2]
-    assert [allocator.refcount(p) for p in b[2:]] == [2, 1]
+    assert [allocator.refcount(p) for p in b[2:]] == [2, 2]  # a full page and b's tail
 
     allocator.decref(a)
     allocator.decref(b)
-    assert cache.num_cached_pages == 4
-    assert allocator.num_free == 16 - 4
+    assert cache.num_cached_pages == 5
+    assert allocator.num_free == 16 - 5
     cache.clear()
     assert cache.num_cached_pages == 0
     assert allocator.num_free == 16
@@ -96,10 +97,85 @@ def test_duplicate_insert_keeps_existing_page() -> None:
     assert [allocator.refcount(p) for p in second] == [1, 1]
 
 
-def test_insert_needs_a_page_per_full_page_of_tokens() -> None:
+def test_insert_needs_a_page_per_page_of_tokens() -> None:
     _, cache = make()
-    with pytest.raises(ValueError, match="2 full pages of tokens but only 1 pages given"):
-        cache.insert(list(range(9)), cache.allocate(1))
+    with pytest.raises(ValueError, match="9 tokens fill 3 pages but only 2 pages given"):
+        cache.insert(list(range(9)), cache.allocate(2))
+
+
+def test_tail_page_is_handed_over_to_a_prompt_that_extends_the_sequence() -> None:
+    allocator, cache = make()
+    tokens = list(range(10))
+    pages = cache_only(cache, tokens)
+    assert cache.matched_length(tokens + [10, 11]) == 10  # a look, which takes nothing
+    assert cache.num_cached_pages == 3
+
+    got, matched = cache.match(tokens + [10, 11])
+    assert (got, matched) == (pages, 10)
+    assert cache.num_cached_pages == 2  # the tail now belongs to the caller alone
+    assert [allocator.refcount(p) for p in pages] == [2, 2, 1]
+    allocator.decref(got)
+    assert allocator.refcount(pages[2]) == 0 and cache.match(tokens) == (pages[:2], 8)
+
+
+def test_tokens_past_the_match_in_a_tail_are_popped() -> None:
+    _, cache = make()
+    pages = cache_only(cache, list(range(11)))  # tail holds tokens 8, 9, 10
+    assert cache.match(list(range(9)) + [77, 78]) == (pages, 9)  # slots of 9, 10 get overwritten
+
+
+def test_a_tail_that_matches_nothing_stays_cached() -> None:
+    _, cache = make()
+    pages = cache_only(cache, list(range(10)))
+    assert cache.match(list(range(8)) + [77]) == (pages[:2], 8)
+    assert cache.num_cached_pages == 3
+
+
+def test_the_longest_matching_tail_is_chosen() -> None:
+    _, cache = make()
+    short = cache_only(cache, list(range(4)) + [5])
+    long = cache_only(cache, list(range(4)) + [6, 7, 8])
+    assert cache.num_cached_pages == 3  # one full page shared by two tails
+    assert cache.match(list(range(4)) + [6, 7]) == (long, 6)
+    assert cache.match(list(range(4)) + [5, 5]) == (short, 5)
+
+
+def test_insert_keeps_one_tail_per_run_of_tokens() -> None:
+    allocator, cache = make()
+    first = cache_only(cache, list(range(6)))
+
+    def insert_with_a_new_tail_page(tokens: list[int]) -> int:
+        """Like a sequence that computed `tokens` without taking the cached tail."""
+        shared, _ = cache.match(tokens[:PS])
+        tail = cache.allocate(1)
+        cache.insert(tokens, shared + tail)
+        allocator.decref(shared + tail)
+        return tail[0]
+
+    covered = insert_with_a_new_tail_page(list(range(5)))  # the cached tail holds 4, 5 already
+    assert allocator.refcount(covered) == 0 and allocator.refcount(first[1]) == 1
+    longer = insert_with_a_new_tail_page(list(range(7)))  # extends the cached tail: replaces it
+    assert allocator.refcount(first[1]) == 0 and allocator.refcount(longer) == 1
+    assert cache.num_cached_pages == 2 and cache.match(list(range(8)))[0] == [first[0], longer]
+
+
+def test_tails_are_evicted_lru_before_their_parent() -> None:
+    allocator, cache = make()
+    pages = cache_only(cache, list(range(6)))
+    other = cache_only(cache, [9] * PS)
+    assert cache.evictable_pages() == 3
+    assert cache.evict(1) == 1 and allocator.refcount(pages[1]) == 0  # the tail, oldest leaf
+    assert cache.evict(1) == 1 and allocator.refcount(pages[0]) == 0  # then the page it hung from
+    assert allocator.refcount(other[0]) == 1
+
+
+def test_a_held_tail_protects_its_parent() -> None:
+    allocator, cache = make()
+    pages = cache_only(cache, list(range(6)))
+    allocator.incref([pages[1]])
+    assert cache.evictable_pages() == 0 and cache.evict(2) == 0
+    allocator.decref([pages[1]])
+    assert cache.evict(2) == 2 and allocator.num_free == 16
 
 
 def test_evict_is_lru() -> None:
@@ -220,14 +296,15 @@ def test_lru_bookkeeping_stays_bounded_under_repeated_hits() -> None:
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Random traffic against a reference model of the cache.
 
-    The model is a dict from cached token prefix (whole pages) to `[page, last_touch]`; it
-    predicts matches, LRU eviction order and allocate()'s evictions. Every page's refcount must
-    equal its live holders plus one if cached, and every matched page must hold the KV of
-    exactly the matched prefix (tracked as `content`, rewritten whenever a page is reused).
+    The model is a dict from cached token prefix to `[page, last_touch]`: whole pages, and tails
+    (a prefix whose length is not a multiple of the page size); it predicts matches, tail
+    hand-overs, LRU eviction order and allocate()'s evictions. Every page's refcount must equal
+    its live holders plus one if cached, and every matched page must hold the KV of exactly the
+    matched prefix (tracked as `content`, rewritten whenever a page is reused).
     """
 
     NUM_PAGES = 10
-    PS = 2
+    PS = 3
 
     def __init__(self) -> None:
         super().__init__()
@@ -242,20 +319,32 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def prefixes(self, tokens: list[int]) -> list[tuple[int, ...]]:
         return [tuple(tokens[:k]) for k in range(self.PS, len(tokens) + 1, self.PS)]
 
+    def is_tail(self, key: tuple[int, ...]) -> bool:
+        return len(key) % self.PS != 0
+
+    def parent(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        return key[: (len(key) - 1) // self.PS * self.PS]
+
+    def tails_at(self, base: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return [k for k in self.model if self.is_tail(k) and self.parent(k) == base]
+
+    def in_subtree(self, k: tuple[int, ...], key: tuple[int, ...]) -> bool:
+        return k == key or (not self.is_tail(key) and len(k) > len(key) and k[: len(key)] == key)
+
     def touch(self, keys: list[tuple[int, ...]]) -> None:
         self.clock += 1
         for key in keys:
             self.model[key][1] = self.clock
 
     def is_leaf(self, key: tuple[int, ...]) -> bool:
-        return not any(len(k) == len(key) + self.PS and k[: len(key)] == key for k in self.model)
+        return not any(k != key and self.parent(k) == key for k in self.model)
 
     def model_evictable(self) -> int:
         return sum(
             all(
                 self.allocator.refcount(page) == 1
                 for k, (page, _) in self.model.items()
-                if k[: len(key)] == key
+                if self.in_subtree(k, key)
             )
             for key in self.model
         )
@@ -284,22 +373,49 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             if key not in self.model:
                 break
             expected.append(key)
+        base = len(expected) * self.PS
+        rest = tokens[base : base + self.PS - 1]
+        best = 0
+        lengths = {}
+        for k in self.tails_at(tuple(tokens[:base])):
+            n = next((i for i, (a, b) in enumerate(zip(k[base:], rest)) if a != b), min(len(k) - base, len(rest)))
+            if self.allocator.refcount(self.model[k][0]) == 1:
+                lengths[k] = n
+                best = max(best, n)
         pages, matched = self.cache.match(tokens)
-        assert pages == [self.model[k][0] for k in expected]
-        assert matched == len(pages) * self.PS
-        for i, page in enumerate(pages):
+        assert pages[: len(expected)] == [self.model[k][0] for k in expected]
+        assert matched == base + best
+        if best:  # one of the best tails was handed over
+            assert len(pages) == len(expected) + 1
+            taken = next(k for k, n in lengths.items() if n == best and self.model[k][0] == pages[-1])
+            del self.model[taken]
+            assert self.content[pages[-1]][:matched] == tuple(tokens[:matched])
+        else:
+            assert len(pages) == len(expected)
+        for i, page in enumerate(pages[: len(expected)]):
             assert self.content[page] == tuple(tokens[: (i + 1) * self.PS])
         if expected:
             self.touch(expected)
-        return pages
+        return pages, matched
 
-    @rule(tokens=st.lists(st.integers(0, 1), max_size=7))
+    @rule(tokens=st.lists(st.integers(0, 1), max_size=8))
     def match_then_abort(self, tokens: list[int]) -> None:
-        self.allocator.decref(self.checked_match(tokens))
+        self.allocator.decref(self.checked_match(tokens)[0])
 
-    @rule(tokens=st.lists(st.integers(0, 1), max_size=7))
+    @rule(tokens=st.lists(st.integers(0, 1), max_size=8))
     def add_sequence(self, tokens: list[int]) -> None:
-        pages = self.checked_match(tokens)
+        self.start_sequence(tokens)
+
+    @precondition(lambda self: any(self.is_tail(k) for k in self.model))
+    @rule(data=st.data())
+    def extend_a_cached_tail(self, data: st.DataObject) -> None:
+        """A prompt that continues a cached sequence, or agrees with part of its tail."""
+        key = data.draw(st.sampled_from(sorted(k for k in self.model if self.is_tail(k))))
+        cut = data.draw(st.integers(len(self.parent(key)) + 1, len(key)))
+        self.start_sequence(list(key[:cut]) + data.draw(st.lists(st.integers(0, 1), max_size=3)))
+
+    def start_sequence(self, tokens: list[int]) -> None:
+        pages, matched = self.checked_match(tokens)
         need = math.ceil(len(tokens) / self.PS) - len(pages)
         short = need - self.allocator.num_free
         if short > 0 and self.model_evictable() < short:
@@ -310,14 +426,28 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if short > 0:
             self.model_evict(short)
         table = pages + self.cache.allocate(need)
-        for i in range(len(pages), len(table)):
+        for i in range(matched // self.PS, len(table)):  # pages this sequence (re)writes
             self.content[table[i]] = tuple(tokens[: (i + 1) * self.PS])
         self.live.append((tokens, table))
 
     def record(self, tokens: list[int], table: list[int]) -> None:
         keys = self.prefixes(tokens)
         for key, page in zip(keys, table):
-            self.model.setdefault(key, [page, 0])
+            if key not in self.model:
+                for stale in [k for k in self.tails_at(self.parent(key)) if self.model[k][0] == page]:
+                    del self.model[stale]
+                self.model[key] = [page, 0]
+        tail = tuple(tokens)
+        if self.is_tail(tail):
+            base = self.parent(tail)
+            covering = [k for k in self.tails_at(base) if k[: len(tail)] == tail]
+            if covering:
+                tail = covering[0]
+            else:
+                for extended in [k for k in self.tails_at(base) if tail[: len(k)] == k]:
+                    del self.model[extended]
+                self.model[tail] = [table[len(keys)], 0]
+            keys.append(tail)
         if keys:
             self.touch(keys)
         self.cache.insert(tokens, table)

@@ -8,7 +8,7 @@ import pytest
 
 from common.engine import Engine
 from common.sampling import SamplingParams
-from common.scheduler import Chunk, RequestHandle, Scheduler
+from common.scheduler import Chunk, RequestHandle, Scheduler, Usage
 from tests.reference import engine_greedy
 
 
@@ -25,6 +25,21 @@ def collect(handle: RequestHandle) -> tuple[list[int], str, Chunk]:
         text += chunk.text
         if chunk.finish_reason:
             return tokens, text, chunk
+
+
+def collect_samples(handle: RequestHandle) -> tuple[dict[int, list[int]], dict[int, str], Chunk]:
+    """Tokens and finish reason of each parallel sample, and the stream's final chunk."""
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    while True:
+        chunk = handle.next_chunk(timeout=120)
+        assert chunk is not None, "scheduler stalled"
+        assert chunk.index not in reasons, f"a chunk of sample {chunk.index} after it finished"
+        tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
+        if chunk.finish_reason:
+            reasons[chunk.index] = chunk.finish_reason
+        if chunk.final:
+            return tokens, reasons, chunk
 
 
 @pytest.fixture
@@ -100,7 +115,8 @@ def test_prefix_cache_hit_reported_in_usage(make_scheduler, model):
     first, _, _ = collect(s.submit("1", s.engine.new_sequence("1", prompt), GREEDY))
     seq = s.engine.new_sequence("2", prompt)
     second, _, last = collect(s.submit("2", seq, GREEDY))
-    assert first == second and last.usage.cached_tokens == 32 and last.usage.prompt_tokens == 40
+    # Two full pages and, from the first request's tail page, all but the last prompt token.
+    assert first == second and last.usage.cached_tokens == 39 and last.usage.prompt_tokens == 40
 
 
 def test_stop_strings_and_stop_tokens(make_scheduler, tokenizer):
@@ -134,7 +150,54 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(make_scheduler, m
     (SamplingParams(top_p=0), "top_p"),
     (SamplingParams(top_k=-2), "top_k"),
     (SamplingParams(stop_token_ids=(10**9,)), "stop_token_ids"),
+    (SamplingParams(n=0), "n must be between 1 and 16"),
+    (SamplingParams(n=17), "n must be between 1 and 16"),
 ])
 def test_sampling_validation(bad, message):
     with pytest.raises(ValueError, match=message):
         bad.validate(vocab_size=49152)
+
+
+def test_parallel_samples_prefill_once_and_each_equals_a_solo_run(model, make_scheduler):
+    prompt = _ids(40, 11)  # 2.5 pages: the samples share two and each copies the third
+    want = engine_greedy(model, prompt, 8)
+    s = make_scheduler()
+    computed = []
+    forward = s.engine.forward
+    s.engine.forward = lambda work, *a: computed.append(sum(n for _, n in work)) or forward(work, *a)
+    h = s.submit("n3", s.engine.new_sequence("n3", prompt), SamplingParams(max_tokens=8, ignore_eos=True, n=3))
+    tokens, reasons, last = collect_samples(h)
+    assert tokens == {0: want, 1: want, 2: want} and reasons == {0: "length", 1: "length", 2: "length"}
+    assert last.usage == Usage(prompt_tokens=40, completion_tokens=24, cached_tokens=0)
+    assert sum(computed) == 40 + 3 * 7  # one prefill, then each sample's own decode steps
+    _assert_no_leak(s)
+
+
+@pytest.mark.parametrize("num_pages, max_tokens", [
+    (9, 12),  # the copies fit, but the samples' growth (14 pages) preempts the newest ones
+    (3, 2),  # no page for any copy: the samples start without KV and are recomputed in turn
+])
+def test_parallel_samples_survive_a_pool_too_small_for_them(model, make_scheduler, num_pages, max_tokens):
+    prompt = _ids(10, 12)  # pages of 4: two full pages and a partial one
+    want = engine_greedy(model, prompt, max_tokens, page_size=4)
+    s = make_scheduler(num_pages=num_pages, page_size=4)
+    h = s.submit("tight", s.engine.new_sequence("tight", prompt),
+                 SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=3))
+    tokens, _, last = collect_samples(h)
+    assert tokens == {0: want, 1: want, 2: want} and last.usage.completion_tokens == 3 * max_tokens
+    _assert_no_leak(s)
+
+
+def test_abort_ends_every_sample_and_frees_their_pages(make_scheduler):
+    s = make_scheduler()
+    h = s.submit("a3", s.engine.new_sequence("a3", _ids(20, 13)),
+                 SamplingParams(max_tokens=10_000, ignore_eos=True, n=3, temperature=1.0))
+    seen: set[int] = set()
+    while seen != {0, 1, 2}:
+        chunk = h.next_chunk(timeout=60)
+        assert chunk is not None and chunk.finish_reason is None
+        seen.add(chunk.index)
+    assert s.num_active() == 1 and s.abort("a3")
+    _, reasons, last = collect_samples(h)
+    assert reasons == {0: "abort", 1: "abort", 2: "abort"} and last.usage.completion_tokens >= 3
+    _assert_no_leak(s)

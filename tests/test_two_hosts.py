@@ -36,6 +36,8 @@ from tests.reference import engine_greedy
 
 LEASE_S = 5.0  # short, but long enough for a 400-token hand-off on a busy 2-core machine
 TRANSFER_TIMEOUT_S = 8.0
+# How long the decode node keeps a silent NIXL writer's pages out of use (above the writer's timeout).
+QUARANTINE_S = TRANSFER_TIMEOUT_S + 2
 MAX_BATCH_TOKENS = 128  # small prefill chunks: a long prompt's transfer stays in flight for seconds
 CUT_PROMPT_TOKENS = 1024
 PORTS = {"nixl": (50051, 9400), "tcp": (50052, 9401)}  # the same in every namespace
@@ -157,7 +159,8 @@ def _start_three(net, transport: str, tmp: Path, members: Path):
                                           "--transfer-timeout-seconds", str(TRANSFER_TIMEOUT_S)],
                      tmp / "prefill.log", port=port, metrics_port=metrics_port, listen="0.0.0.0")
     dn = NetnsDaemon(dh, "decode_node", ["--transport", transport, "--prefill", pn.address,
-                                         "--min-remote-prefill-tokens", "1", "--lease-seconds", str(LEASE_S)],
+                                         "--min-remote-prefill-tokens", "1", "--lease-seconds", str(LEASE_S),
+                                         "--quarantine-seconds", str(QUARANTINE_S)],
                      tmp / "decode.log", port=port, metrics_port=metrics_port)
     # The router on the third host finds both nodes through a members file (started now so its
     # start-up overlaps the nodes' model loading).
@@ -294,7 +297,8 @@ def cut(pair, model):
             obs["reservation_expired_while_down"] = _wait_quietly(
                 lambda: (m := dn.metrics()).get("duet_kv_pages_reserved", 0) == 0
                 and m.get("duet_lease_expiries_total", 0) > expiries, lease_left + 5)
-            obs["decode_clean_while_down"] = _wait_quietly(lambda: clean(dn.metrics()), 5)
+            # With NIXL the cut-off writer cannot report back: its pages wait out the quarantine.
+            obs["decode_clean_while_down"] = _wait_quietly(lambda: clean(dn.metrics()), QUARANTINE_S + 5)
             obs["prefill_reachable_while_down"] = _reachable(pn)
         finally:
             ph.link_up()

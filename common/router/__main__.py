@@ -16,6 +16,7 @@ from pathlib import Path
 from common.daemon import GrpcDaemon, setup_logging
 from common.daemon_config import add_tls_args
 from common.default_model import default_model_path
+from common.openai_http import add_openai_args, attach_openai_front
 from common.router.hand_off import Router
 from common.router.membership import Membership
 from common.router.prefill_pool import PrefillPool
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-remote-prefill-tokens", type=int, default=32)
     p.add_argument("--poll-seconds", type=float, default=1.0, help="health/load polling period")
     add_tls_args(p)
+    add_openai_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     args.tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     prefill = PrefillPool(args.prefill, args.poll_seconds, tls=args.tls)
     router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill, args.min_remote_prefill_tokens)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
+    if args.openai_port is not None:
+        attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model)
     stop = threading.Event()
     if args.members is not None:
         threading.Thread(target=watch_members, args=(args.members, decode, prefill, stop, args.poll_seconds),

@@ -19,6 +19,12 @@ either class, in every process):
   progress thread is off (small machines), so the decode node must keep polling (every
   millisecond or so) while transfers are expected. With ``sm`` the initiator does the copy.
 * Start worker processes with the ``spawn`` start method, never ``fork`` after UCX is up.
+* Pools on a CUDA device are registered as ``VRAM`` (with the device index), host pools as
+  ``DRAM``. For VRAM pools UCX needs its CUDA transports: ``UCX_TLS=cuda_ipc,cuda_copy,sm,self``
+  on one host (GPU to GPU over NVLink/PCIe peer access), ``UCX_TLS=rc,ud,cuda_copy,cuda_ipc`` (or
+  ``all``) across hosts, which writes GPU memory directly over RDMA when GPUDirect RDMA is set up
+  (docs/gpu.md). An initiator learns each target's memory type and device from the target's
+  metadata (:meth:`NixlInitiator.write` probes it), so the two sides need not match.
 
 Error handling mode is ``none``: ``peer`` rejects every shared-memory transport ("no peer failure
 handler") and backend creation fails under ``UCX_TLS=sm,self``. Peer death is still reported:
@@ -65,7 +71,7 @@ __all__ = [
 _BACKEND = "UCX"
 # "none": shared-memory transports have no peer failure handler; with "peer" UCX refuses them.
 _UCX_PARAMS = {"ucx_error_handling_mode": "none"}
-_MEM = "DRAM"
+_MAX_PROBED_GPUS = 64  # device indices tried when finding which GPU a remote pool is on
 _INSTALL_HINT = (
     "install it with `pip install -c constraints.txt nixl-cu12` (torch stays pinned), "
     "or run with the TCP transport"
@@ -163,16 +169,24 @@ def _make_agent(name: str) -> Any:
 def _check_tensor(t: torch.Tensor, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what} must be a CPU tensor (VRAM registration is not wired up yet)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} must be in host memory or on a CUDA device, not on {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous: it is registered as one byte range")
     if t.numel() == 0:
         raise ValueError(f"{what} is empty")
 
 
+def _memory_of(t: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id of a tensor: ("VRAM", GPU index) or ("DRAM", 0)."""
+    if t.device.type != "cuda":
+        return "DRAM", 0
+    return "VRAM", t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def _register(agent: Any, t: torch.Tensor) -> Any:
-    return agent.register_memory([(t.data_ptr(), t.numel() * t.element_size(), 0, "")], _MEM)
+    mem, dev = _memory_of(t)
+    return agent.register_memory([(t.data_ptr(), t.numel() * t.element_size(), dev, "")], mem)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +278,8 @@ class NixlInitiator:
         self._hi = self._lo + local_tensor.numel() * local_tensor.element_size()
         self._lock = threading.Lock()
         self._peers: dict[str, tuple[bytes, int]] = {}  # name -> (metadata, generation)
+        self._peer_memory: dict[str, tuple[str, int]] = {}  # name -> its pool's (memory type, device id)
+        self._memory = _memory_of(local_tensor)
         self._generation = 0
         self._pending: set[WriteHandle] = set()
         self._stuck: list[Any] = []  # handles NIXL could not cancel: never freed while we live
@@ -314,6 +330,7 @@ class NixlInitiator:
 
     def _remove_locked(self, peer_name: str) -> None:
         self._peers.pop(peer_name, None)
+        self._peer_memory.pop(peer_name, None)
         try:
             self._agent.remove_remote_agent(peer_name)
         except self._nixl_errors as exc:
@@ -354,10 +371,14 @@ class NixlInitiator:
                 raise TransferError(f"not connected to {peer_name!r}: call connect() with its metadata",
                                     grpc.StatusCode.FAILED_PRECONDITION)
             generation = self._peers[peer_name][1]
-            descs[:, :2] = local
-            ldl = agent.get_xfer_descs(descs, _MEM)
-            descs[:, :2] = remote
-            rdl = agent.get_xfer_descs(descs, _MEM)
+            remote_memory = self._remote_memory_locked(peer_name, remote[0])
+            if remote_memory is None:
+                raise TransferError(f"a remote range is outside the memory {peer_name!r} registered",
+                                    grpc.StatusCode.INVALID_ARGUMENT)
+            descs[:, :2], descs[:, 2] = local, self._memory[1]
+            ldl = agent.get_xfer_descs(descs, self._memory[0])
+            descs[:, :2], descs[:, 2] = remote, remote_memory[1]
+            rdl = agent.get_xfer_descs(descs, remote_memory[0])
             try:
                 xfer = agent.initialize_xfer("WRITE", ldl, rdl, peer_name, notif)
             except self._not_found_err:
@@ -443,6 +464,21 @@ class NixlInitiator:
         if self._agent is None:
             raise RuntimeError(f"NixlInitiator {self.name!r} is closed")
         return self._agent
+
+    def _remote_memory_locked(self, peer: str, probe: np.ndarray) -> tuple[str, int] | None:
+        """The (memory type, device id) under which `peer` registered the byte range `probe`
+        (address, nbytes), read from its loaded metadata once per connect; None if no
+        registration of it holds the range."""
+        if peer not in self._peer_memory:
+            candidates = [("DRAM", 0)] + [("VRAM", d) for d in range(_MAX_PROBED_GPUS)]
+            for mem, dev in candidates:
+                descs = self._agent.get_xfer_descs(np.array([[probe[0], probe[1], dev]], dtype=np.uint64), mem)
+                if self._agent.check_remote_metadata(peer, descs):
+                    self._peer_memory[peer] = (mem, dev)
+                    break
+            else:
+                return None
+        return self._peer_memory[peer]
 
     def _release_locked(self, handle: WriteHandle) -> bool:
         """Release (cancelling if still active); False if NIXL refused (it keeps writing)."""

@@ -193,6 +193,11 @@ class TcpKvSession:
         self._thread = threading.Thread(target=self._send_loop, name="tcp-kv-send", daemon=True)
         self._thread.start()
 
+    @property
+    def failed(self) -> bool:
+        """A send already failed: the transfer cannot succeed any more."""
+        return self._error is not None
+
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
         for kv in (0, 1):
             for p in pieces:
@@ -222,9 +227,12 @@ class TcpKvSession:
             code = next((c for c in grpc.StatusCode if c.value[0] == status), grpc.StatusCode.UNKNOWN)
             raise TransferError(f"the decode node refused the transfer: {message.decode()}", code)
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
+        """Close the connection. True: the receiver, which does the writing, pins the pages
+        until it has seen the connection end."""
         self._queue.put(None)
         self._sock.close()
+        return True
 
     def _remaining(self) -> float:
         """Seconds left before the transfer's deadline (a sliver at least, so a timeout fires)."""
