@@ -194,17 +194,23 @@ f32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
 temperatures = st.one_of(st.just(0.0), f32.filter(lambda t: not 0.0 < t < 1e-30))
 
 
+def _samples(sampling: pb.SamplingParams) -> int:
+    return sampling.n if sampling.HasField("n") else 1
+
+
 @st.composite
 def sampling_params(draw) -> pb.SamplingParams:
     """Sane values, with a few fields (mostly none to two) replaced by wild ones."""
     sane = dict(max_tokens=st.one_of(st.none(), st.integers(1, 4)), temperature=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
                 top_p=st.one_of(st.none(), st.floats(0.05, 1.0)), top_k=st.integers(0, 50),
                 seed=st.one_of(st.none(), st.integers(0, 2**32)), ignore_eos=st.booleans(),
-                stop=st.lists(text.filter(bool), max_size=2), stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2))
+                stop=st.lists(text.filter(bool), max_size=2), stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2),
+                n=st.one_of(st.none(), st.integers(1, 3)))
     wild = dict(max_tokens=st.one_of(int32, st.integers(-1, 0), st.just(2**31 - 1)), temperature=temperatures,
                 top_p=f32, top_k=int32, seed=int64, ignore_eos=st.booleans(),
                 stop=st.lists(st.one_of(text, st.just(""), st.just("\ufffd"), st.just("x" * 5000)), max_size=3),
-                stop_token_ids=st.lists(st.one_of(st.integers(0, VOCAB - 1), int32), max_size=3))
+                stop_token_ids=st.lists(st.one_of(st.integers(0, VOCAB - 1), int32), max_size=3),
+                n=st.one_of(int32, st.integers(-1, 0), st.just(17)))
     names = sorted(sane)
     chosen = draw(st.integers(0, 9).flatmap(lambda i: st.just(set()) if i < 4 else st.sets(
         st.sampled_from(names), min_size=1, max_size=2 if i < 8 else len(names))))
@@ -293,6 +299,7 @@ def test_start_generation(nodes, data, sampling):
         if code == C.OK:
             assert made is not None and rid == own and begin == made.kv_window_end
             assert all(0 <= t < VOCAB for c in chunks for t in c.token_ids)
+            assert all(0 <= c.index < _samples(sampling) for c in chunks)
     finally:
         abort(nodes, own)
     nodes.alive()
@@ -329,6 +336,7 @@ def test_generate(nodes, data, sampling):
             started = chunks[0].request_id
             assert started == kwargs.get("request_id") or "request_id" not in kwargs or not kwargs["request_id"]
             assert all(0 <= t < VOCAB for c in chunks for t in c.token_ids)
+            assert all(0 <= c.index < _samples(sampling) for c in chunks)
     finally:
         if started:
             abort(nodes, started)
