@@ -2,6 +2,7 @@
 opening one transfer session per RemoteSend."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from common.kv_pool import KVPool
@@ -17,8 +18,11 @@ class KvPusher(Protocol):
 
     def disconnect(self, address: str) -> None: ...
 
-    def open(self, address: str, request_id: str, nonce: int, timeout_s: float) -> TransferSession:
-        """A session whose transfer must be done within `timeout_s` of now."""
+    def open(self, address: str, request_id: str, nonce: int, timeout_s: float,
+             on_layer_done: Callable[[int], None] = lambda layer: None) -> TransferSession:
+        """A session whose transfer must be done within `timeout_s` of now; `on_layer_done(layer)`
+        runs as each posted layer's bytes leave this node (NIXL: the write completed; TCP: they
+        were handed to the socket)."""
 
     def close(self) -> None: ...
 
@@ -39,8 +43,9 @@ class TcpPusher:
     def disconnect(self, address: str) -> None:
         self._receivers.pop(address, None)
 
-    def open(self, address: str, request_id: str, nonce: int, timeout_s: float) -> TransferSession:
-        return TcpKvSession(self._receivers[address], self._pool, request_id, nonce, timeout_s)
+    def open(self, address: str, request_id: str, nonce: int, timeout_s: float,
+             on_layer_done: Callable[[int], None] = lambda layer: None) -> TransferSession:
+        return TcpKvSession(self._receivers[address], self._pool, request_id, nonce, timeout_s, on_layer_done)
 
     def close(self) -> None:
         self._receivers.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -31,11 +32,13 @@ class _Peer:
 
 
 class NixlSession:
-    def __init__(self, initiator: NixlInitiator, pool: KVPool, peer: _Peer, timeout_s: float) -> None:
+    def __init__(self, initiator: NixlInitiator, pool: KVPool, peer: _Peer, timeout_s: float,
+                 on_layer_done: Callable[[int], None]) -> None:
         self._initiator, self._pool, self._peer = initiator, pool, peer
         self._deadline = time.monotonic() + timeout_s
+        self._on_layer_done = on_layer_done
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._handles: list[WriteHandle] = []
+        self._handles: list[tuple[int, WriteHandle]] = []  # posted, not yet seen DONE, by layer
         self._error: TransferError | None = None
         self._thread = threading.Thread(target=self._post_loop, name="nixl-post", daemon=True)
         self._thread.start()
@@ -63,19 +66,30 @@ class NixlSession:
             remote = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot), p.num_slots * sb)
                       for kv in (0, 1) for p in pieces]
             try:
-                self._handles.append(self._initiator.write(peer.agent_name, local, remote))
+                self._handles.append((layer, self._initiator.write(peer.agent_name, local, remote)))
             except TransferError as exc:
                 self._error = exc
+            self._report_done()
+
+    def _report_done(self) -> None:
+        """Report the layers whose writes completed by now (in order; later ones wait)."""
+        while self._handles and self._initiator.is_done(self._handles[0][1]):
+            self._finish_write(*self._handles.pop(0))
+
+    def _finish_write(self, layer: int, handle: WriteHandle) -> None:
+        try:
+            self._initiator.wait(handle, max(0.0, self._deadline - time.monotonic()))
+        except TransferError as exc:
+            self._error = self._error or exc
+        else:
+            self._on_layer_done(layer)
 
     def finish(self) -> None:
         """Wait until every posted write is DONE (or failed); raises TransferError. Idempotent."""
         self._queue.put(None)
         self._thread.join()
         while self._handles:
-            try:
-                self._initiator.wait(self._handles.pop(), max(0.0, self._deadline - time.monotonic()))
-            except TransferError as exc:
-                self._error = self._error or exc
+            self._finish_write(*self._handles.pop(0))
         if self._error is not None:
             raise self._error
 
@@ -119,8 +133,9 @@ class NixlPusher:
         if peer is not None:
             self._initiator.disconnect(peer.agent_name)
 
-    def open(self, address: str, request_id: str, nonce: int, timeout_s: float) -> NixlSession:
-        return NixlSession(self._initiator, self._pool, self._peers[address], timeout_s)
+    def open(self, address: str, request_id: str, nonce: int, timeout_s: float,
+             on_layer_done: Callable[[int], None] = lambda layer: None) -> NixlSession:
+        return NixlSession(self._initiator, self._pool, self._peers[address], timeout_s, on_layer_done)
 
     def close(self) -> None:
         self._initiator.close()

@@ -98,7 +98,9 @@ class PrefillNode:
             raise RequestError(f"decode node {req.decode_address}: {exc.details()}", exc.code()) from None
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         try:
-            session = self.pusher.open(req.decode_address, req.request_id, req.transfer_nonce, timeout_s)
+            session = self.pusher.open(
+                req.decode_address, req.request_id, req.transfer_nonce, timeout_s,
+                on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done", layer=layer))
         except TransferError as exc:
             self.peers.drop(req.decode_address)
             raise Unavailable(str(exc)) from None

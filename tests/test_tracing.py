@@ -282,6 +282,13 @@ def test_per_layer_transfer_events_cover_every_layer(traced_run, model):
         for e in posted:
             assert e["args"]["bytes"] == sent_tokens * 2 * kv_heads * head_dim * element_bytes
             assert e["args"]["slots"] == sent_tokens
+        # Each layer is reported done after it was posted and before the whole transfer finished.
+        events = by_request[r["request_id"]]["prefill"]
+        done = {e["args"]["layer"]: e["ts"] for e in events if e["name"] == "transfer_layer_done"}
+        assert sorted(done) == list(range(num_layers))
+        finished = _end(_first(events, "transfer_finished"))
+        for e in posted:
+            assert e["ts"] <= done[e["args"]["layer"]] <= finished, e
 
 
 def test_daemons_leave_their_own_trace_files_after_sigterm(traced_run):

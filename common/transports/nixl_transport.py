@@ -401,6 +401,16 @@ class NixlInitiator:
             self._pending.add(handle)
             return handle
 
+    def is_done(self, handle: WriteHandle) -> bool:
+        """Whether the transfer is DONE, without waiting (an error shows in `wait`)."""
+        with self._lock:
+            if not handle._done and handle in self._pending and self._agent is not None:
+                try:
+                    handle._done = self._agent.check_xfer_state(handle._xfer) == "DONE"
+                except self._nixl_errors:
+                    pass
+            return handle._done
+
     def wait(self, handle: WriteHandle, timeout_s: float) -> None:
         """Poll until the transfer is DONE, then release it. On error or after ``timeout_s`` the
         transfer is cancelled and released and :class:`TransferError` raised (``in_flight`` is

@@ -177,9 +177,11 @@ class TcpKvSession:
     """Prefill side: one transfer. `post_layer` may be called from the forward thread as each
     layer finishes; a sender thread ships the frames so compute and transfer overlap."""
 
-    def __init__(self, address: str, pool: KVPool, request_id: str, nonce: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, pool: KVPool, request_id: str, nonce: int, timeout_s: float = 30.0,
+                 on_layer_done: Callable[[int], None] = lambda layer: None) -> None:
         host, port = address.rsplit(":", 1)
         self._pool = pool
+        self._on_layer_done = on_layer_done
         self._deadline = time.monotonic() + timeout_s
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -204,6 +206,7 @@ class TcpKvSession:
                 header = _OP.pack(_OP_WRITE) + _WRITE.pack(layer, kv, p.dst_slot, p.num_slots)
                 self._queue.put(header)
                 self._queue.put(self._pool.data[layer, kv, p.src_slot : p.src_slot + p.num_slots])
+        self._queue.put(layer)  # the sender reports the layer sent when it gets here
 
     def finish(self) -> None:
         """Send END and wait for the receiver's verdict; raises TransferError."""
@@ -241,6 +244,9 @@ class TcpKvSession:
     def _send_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if self._error is not None:
+                continue
+            if isinstance(item, int):
+                self._on_layer_done(item)
                 continue
             try:
                 self._sock.settimeout(self._remaining())
