@@ -94,6 +94,8 @@ class LlamaModel:
         w = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
+        # Tied: the packed copy costs the embedding's size again (113 MB for SmolLM2-135M), for the
+        # largest product of every step.
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = []
         for i in range(cfg.num_layers):

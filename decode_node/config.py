@@ -88,8 +88,9 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    "also counts waiters (default: --max-requests)")
     p.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
                    help="cap on the tokens of admitted requests, each counted as its prompt plus the tokens "
-                   "generated so far; a prompt that would pass it waits or is refused per --admission "
-                   "(default: no cap but the KV pool)")
+                   "generated so far; a prompt that would pass it waits or is refused per --admission. "
+                   "Admission sizes a request by its prompt: the n parallel samples of one grow past that once "
+                   "running (default: no cap but the KV pool)")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill node for Generate to hand prompts to (repeatable); none = single-node mode")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=d.min_remote_prefill_tokens,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from common.daemon_limits import MAX_REQUEST_ID_LENGTH
 from common.engine import Sequence
 from common.fingerprint import fingerprint_of, mismatch
 from common.errors import Aborted, AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
@@ -30,7 +31,6 @@ from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,8 @@ class DecodeNode:
                 decode_address=self.config.advertise_address, transfer_nonce=p.transfer_nonce)
             wanted = lambda: request_id in self.reservations and not cancelled()  # noqa: E731
             with self.tracer.span(request_id, "remote_prefill") as span:
-                span["prefill"] = self.prefill_pool.push(request, still_wanted=wanted)
+                span["prefill"] = self.prefill_pool.push(request, still_wanted=wanted,
+                                                         lease_deadline_unix=p.lease_deadline_unix)
             if span["prefill"] is None or cancelled():
                 with self.engine.lock:
                     self.reservations.release(request_id)

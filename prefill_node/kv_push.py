@@ -13,6 +13,7 @@ from protos.duet.v1 import duet_pb2 as pb
 
 class KvPusher(Protocol):
     transport: str
+    one_sided: bool  # writes land without the decode node seeing them: it fences their pages
 
     def connect(self, address: str, info: pb.TransportInfo) -> None: ...
 
@@ -29,6 +30,7 @@ class KvPusher(Protocol):
 
 class TcpPusher:
     transport = "tcp"
+    one_sided = False
 
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool

@@ -114,6 +114,7 @@ def _computed_event(pool: KVPool) -> torch.cuda.Event | None:
 
 class NixlPusher:
     transport = "nixl"
+    one_sided = True
 
     def __init__(self, pool: KVPool, name: str) -> None:
         self._pool = pool

@@ -7,6 +7,7 @@ import uuid
 
 import grpc
 
+from common.daemon_limits import MAX_REQUEST_ID_LENGTH
 from common.engine import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
 from common.fingerprint import fingerprint_of
@@ -23,7 +24,6 @@ from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_LENGTH = 256
 
 
 class PrefillNode:
@@ -121,7 +121,7 @@ class PrefillNode:
             self._finish_transfer(req, peer, session, deadline)
             ok = True
         finally:
-            if not ok and session.cancel():
+            if not ok and session.cancel() and self.pusher.one_sided:
                 self._abandon(req, peer)
             self.scheduler.release(job, cache=ok)
         done = time.perf_counter()

@@ -488,6 +488,28 @@ def test_late_write_after_lease_expiry(c, model):
     wait_clean(c.dn, c.pn)
 
 
+def test_abandoned_transfer_lifts_its_fence_at_once(c):
+    """A writer that gave up (CompleteTransfer{abandoned}) frees the pages of its aborted
+    reservation right away; a wrong nonce cannot. With TCP there is no fence to lift."""
+    prompt = _ids(100, 61)
+    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="abandoned", token_ids=prompt), timeout=10)
+    c.dn.stub.BeginTransfer(pb.BeginTransferRequest(request_id="abandoned", transfer_nonce=r.transfer_nonce,
+                                                    kv_append_metadata=r.kv_append_metadata), timeout=10)
+    c.dn.stub.Abort(pb.AbortRequest(request_id="abandoned"), timeout=10)
+    quarantined = c.dn.stub.GetLoad(pb.GetLoadRequest(), timeout=5).kv_pages_quarantined
+    assert quarantined == (7 if c.transport == "nixl" else 0)  # the 99-position window's pages
+
+    def abandon(nonce: int) -> grpc.StatusCode:
+        return code_of(lambda: c.dn.stub.CompleteTransfer(pb.CompleteTransferRequest(
+            request_id="abandoned", transfer_nonce=nonce, abandoned=True), timeout=10))
+
+    assert abandon(r.transfer_nonce ^ 1) == grpc.StatusCode.NOT_FOUND
+    assert c.dn.stub.GetLoad(pb.GetLoadRequest(), timeout=5).kv_pages_quarantined == quarantined
+    assert abandon(r.transfer_nonce) == (grpc.StatusCode.OK if c.transport == "nixl" else grpc.StatusCode.NOT_FOUND)
+    assert abandon(r.transfer_nonce) == grpc.StatusCode.NOT_FOUND  # the fence came down once
+    wait_clean(c.dn, timeout=3)  # long before --quarantine-seconds
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Decode node restarted on the same port: the prefill node's handshake is stale
 

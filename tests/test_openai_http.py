@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +17,7 @@ import pytest
 from common.openai_http import served_model_name
 from common.openai_http.api_errors import ApiError
 from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint, map_request
+from common.openai_http.server import _cancel_when_client_leaves
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, free_port, prefill_node, router
 from tests.reference import hf_greedy
@@ -87,6 +90,7 @@ def test_request_mapping():
     (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "temperature": True}, "temperature"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "n": 2_000_000_000}, "n"),  # refused before anything is sized by it
     (Endpoint.COMPLETIONS, {"prompt": "x", "stop": ["a", 1]}, "stop"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "seed": 2**70}, None),
@@ -219,6 +223,41 @@ def test_client_disconnect_cancels_the_request(pair, model_name):
         time.sleep(0.1)
     load = dn.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
     assert load.kv_pages_free + load.kv_pages_cached == load.kv_pages_total  # no page is held any more
+
+
+def test_a_client_that_leaves_before_any_output_cancels_its_call():
+    """While a request yields nothing to write (waiting for admission on the node), the front
+    still notices the client hanging up and cancels the gRPC call (here a stand-in for it)."""
+    ours, theirs = socket.socketpair()
+    cancelled, answered = threading.Event(), threading.Event()
+
+    class Call:
+        def cancel(self) -> None:
+            cancelled.set()
+
+    watcher = threading.Thread(target=_cancel_when_client_leaves, args=(ours, Call(), answered))
+    watcher.start()
+    try:
+        assert not cancelled.wait(1.2), "cancelled while the client was still there"
+        theirs.close()
+        assert cancelled.wait(5), "the client's hang-up was not noticed"
+    finally:
+        answered.set()
+        watcher.join(5)
+        ours.close()
+
+
+def test_chunked_request_bodies_are_refused_and_the_connection_closed(pair):
+    _, _, front = pair
+    conn = http.client.HTTPConnection(front.url.removeprefix("http://"), timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body=iter([b'{"prompt": "x"}']),
+                     headers={"Content-Type": "application/json"}, encode_chunked=True)
+        response = conn.getresponse()
+        assert response.status == 411 and "Content-Length" in json.loads(response.read())["error"]["message"]
+        assert response.getheader("Connection") == "close"
+    finally:
+        conn.close()
 
 
 def test_router_serves_the_same_api(pair, tmp_path, model_name):

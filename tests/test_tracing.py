@@ -11,6 +11,7 @@ from collections import defaultdict
 
 import pytest
 
+from common.daemon_limits import MAX_REQUEST_ID_LENGTH
 from common.tracing import MAX_EVENTS_PER_REQUEST, TraceEvent, Tracer, TraceFileWriter, chrome_trace, merge
 from decode_node.config import parse_args as decode_args
 from protos.duet.v1 import duet_pb2 as pb
@@ -62,6 +63,14 @@ def test_events_without_a_request_id_are_not_recorded():
     t = Tracer("n")
     t.event("", "received")
     assert t.events() == [] and t.version == 0
+
+
+def test_ids_the_nodes_refuse_are_not_recorded():
+    """Junk ids (up to a 64 MiB message each) must not pile up in the retained traces."""
+    t = Tracer("n")
+    t.event("x" * (MAX_REQUEST_ID_LENGTH + 1), "received")
+    t.event("x" * MAX_REQUEST_ID_LENGTH, "received")
+    assert [e.request_id for e in t.events()] == ["x" * MAX_REQUEST_ID_LENGTH]
 
 
 def test_concurrent_recording_loses_nothing():

@@ -13,6 +13,7 @@ from http import HTTPStatus
 from typing import Any
 
 from common.openai_http.api_errors import ApiError
+from common.sampling import MAX_N
 from protos.duet.v1 import duet_pb2 as pb
 
 # OpenAI's defaults where they differ from SamplingParams' own.
@@ -62,7 +63,7 @@ def map_request(endpoint: Endpoint, body: Any, served_model: str) -> MappedReque
                        f"'{served_model}'", param="model", code="model_not_found")
     chat = endpoint is Endpoint.CHAT
     _refuse_unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
-    n = _get(body, "n", int, 1, check=lambda v: v >= 1, need="an integer >= 1")
+    n = _get(body, "n", int, 1, check=lambda v: 1 <= v <= MAX_N, need=f"an integer from 1 to {MAX_N}")
     if not chat:
         best_of = _get(body, "best_of", int)
         if best_of is not None and best_of != n:

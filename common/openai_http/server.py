@@ -32,6 +32,9 @@ log = logging.getLogger("openai_http")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 TLS_HANDSHAKE_SECONDS = 30.0
+IDLE_SECONDS = 120.0  # a connection that sends or takes nothing this long is closed
+MAX_CONNECTIONS = 256  # beyond it new connections are closed at once, each holds a thread
+DISCONNECT_POLL_SECONDS = 0.5
 _ROUTES = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
 
 
@@ -80,6 +83,25 @@ class _HttpServer(ThreadingHTTPServer):
     front: OpenAIFront
     ssl_context: ssl.SSLContext | None
 
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        host = address[0].strip("[]")
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__((host, address[1]), handler)
+
+    def process_request(self, request: socket.socket, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("too many http connections: closing a new one", extra={"fields": {"client": client_address[0]}})
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
     def finish_request(self, request: socket.socket, client_address) -> None:
         """With TLS, the handshake runs here, in the connection's own thread, so a slow or
         failing client delays no one else."""
@@ -107,6 +129,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
     server_version = "duet"
+    timeout = IDLE_SECONDS
 
     @property
     def front(self) -> OpenAIFront:
@@ -140,15 +163,20 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(exc)
             return
         call = self.front.stub.Generate(request.generate)
+        answered = threading.Event()
+        threading.Thread(target=_cancel_when_client_leaves, args=(self.connection, call, answered),
+                         name="openai-http-watch", daemon=True).start()
         try:
             if request.stream:
                 self._stream(request, call)
             else:
                 self._respond(request, call)
-        except (ClientGone, ConnectionError):
+        except (ClientGone, ConnectionError, TimeoutError):
             call.cancel()
             self.close_connection = True
             log.info("client disconnected: request cancelled", extra={"fields": {"request_id": request.request_id}})
+        finally:
+            answered.set()
 
     def _respond(self, request: MappedRequest, call: grpc.Call) -> None:
         try:
@@ -196,6 +224,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _read_body(self) -> bytes:
+        if "Transfer-Encoding" in self.headers:  # its body would be read as the next request
+            self.close_connection = True
+            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length, not chunked")
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -224,8 +255,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
+
+
+def _cancel_when_client_leaves(sock: socket.socket, call: grpc.Call, answered: threading.Event) -> None:
+    """Cancel `call` if the client hangs up before it was answered, even while the request
+    produces nothing to write (e.g. while it waits for admission on the node)."""
+    while not answered.wait(DISCONNECT_POLL_SECONDS):
+        if _peer_closed(sock):
+            call.cancel()
+            return
 
 
 def _peer_closed(sock: socket.socket) -> bool:

@@ -80,7 +80,8 @@ class Router:
             pushed = self.prefill.push(pb.RemoteSendRequest(
                 request_id=rid, token_ids=tokens, kv_window_begin=r.kv_window_begin,
                 kv_window_end=r.kv_window_end, kv_append_metadata=r.kv_append_metadata,
-                decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+                decode_address=dn.address, transfer_nonce=r.transfer_nonce),
+                lease_deadline_unix=r.lease_deadline_unix)
             if pushed is None:
                 try:
                     dn.stub.Abort(pb.AbortRequest(request_id=rid))
