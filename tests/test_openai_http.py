@@ -17,7 +17,7 @@ import pytest
 from common.openai_http import served_model_name
 from common.openai_http.api_errors import ApiError
 from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint, map_request
-from common.openai_http.server import _cancel_when_client_leaves
+from common.openai_http.server import OpenAIFront, _cancel_when_client_leaves
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, free_port, prefill_node, router
 from tests.reference import hf_greedy
@@ -245,6 +245,27 @@ def test_a_client_that_leaves_before_any_output_cancels_its_call():
         answered.set()
         watcher.join(5)
         ours.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.parametrize("host", ["::1", "[::1]", "::"])
+def test_the_front_listens_on_ipv6_hosts(host):
+    front = OpenAIFront(host, 0, "m", stub=None)  # /v1/models needs no node
+    front.start()
+    try:
+        models = json.load(urllib.request.urlopen(f"http://[::1]:{front.port}/v1/models", timeout=10))
+        assert [m["id"] for m in models["data"]] == ["m"]
+    finally:
+        front.stop()
 
 
 def test_chunked_request_bodies_are_refused_and_the_connection_closed(pair):
