@@ -303,6 +303,12 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def start_code(c: Cluster, rid: str, r: pb.PrepareReceiveResponse) -> grpc.StatusCode:
+    """The status of a StartGeneration for the reservation `r` made under `rid`."""
+    return code_of(lambda: c.dn.stub.StartGeneration(pb.StartGenerationRequest(
+        request_id=rid, kv_window_begin=r.kv_window_end, sampling=greedy(2)), timeout=10))
+
+
 def prefill_running(c: Cluster) -> bool:
     return c.pn.stub.GetLoad(pb.GetLoadRequest(), timeout=5).running_requests > 0
 
@@ -330,9 +336,7 @@ def test_abort_after_prepare_receive(c, model):
     wait_clean(c.dn, timeout=1)  # pages back at once
     code = code_of(lambda: remote_send(c, "ab-prep", prompt, r))
     assert code in {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED}, code
-    assert code_of(lambda: c.dn.stub.StartGeneration(pb.StartGenerationRequest(
-        request_id="ab-prep", kv_window_begin=r.kv_window_end, sampling=greedy(2)), timeout=10)) \
-        == grpc.StatusCode.NOT_FOUND
+    assert start_code(c, "ab-prep", r) == grpc.StatusCode.NOT_FOUND
     wait_clean(c.dn, c.pn)
     still_serves(c, model, 32)
 
@@ -346,9 +350,7 @@ def test_abort_during_remote_send(c, model):
     c.dn.stub.Abort(pb.AbortRequest(request_id="ab-send"), timeout=10)
     code, _, _ = send.result()
     assert code in {grpc.StatusCode.OK} | CLEAR, code
-    assert code_of(lambda: c.dn.stub.StartGeneration(pb.StartGenerationRequest(
-        request_id="ab-send", kv_window_begin=r.kv_window_end, sampling=greedy(2)), timeout=10)) \
-        == grpc.StatusCode.NOT_FOUND
+    assert start_code(c, "ab-send", r) == grpc.StatusCode.NOT_FOUND
     wait_clean(c.dn, c.pn)
     still_serves(c, model, 34)
 
