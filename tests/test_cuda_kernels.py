@@ -85,12 +85,48 @@ def test_bad_operands_are_refused_before_any_write(bad, message):
 def test_kernel_source_compiles_for_hopper(tmp_path):
     nvcc = extension.nvcc_path()
     if nvcc is None:
-        pytest.skip("nvcc is not installed here (set CUDA_HOME or put nvcc on PATH): the CUDA source "
+        pytest.skip("no CUDA toolkit here (set CUDA_HOME or put nvcc on PATH): the CUDA source "
                     "cannot be compiled; scripts/gpu_check.sh builds and runs it on a GPU machine")
     out = subprocess.run([nvcc, "-arch=sm_90", "-O3", "-c", str(extension.KERNEL_SOURCE), "-o", str(tmp_path / "k.o")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "k.o").stat().st_size > 0
+
+
+def _toolkit(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (root / "bin" / "nvcc").chmod(0o755)
+    (root / "include" / "cuda_runtime.h").write_text("")
+    return root
+
+
+def test_cuda_home_sees_through_links_and_wrapper_scripts(tmp_path, monkeypatch):
+    """torch guesses the folder above `nvcc` as it appears on PATH; ours must find the toolkit."""
+    real = _toolkit(tmp_path / "cuda-13.0")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(extension, "DEFAULT_CUDA_HOME", tmp_path / "absent")
+    links = tmp_path / "links" / "bin"
+    links.mkdir(parents=True)
+    (links / "nvcc").symlink_to(real / "bin" / "nvcc")
+    monkeypatch.setenv("PATH", str(links))
+    assert extension.cuda_home() == real and extension.nvcc_path() == str(real / "bin" / "nvcc")
+
+    wrappers = tmp_path / "wrappers" / "bin"  # /usr/local/bin/nvcc exec-ing the real one
+    wrappers.mkdir(parents=True)
+    (wrappers / "nvcc").write_text(f"#!/bin/sh\nexec {real}/bin/nvcc \"$@\"\n")
+    (wrappers / "nvcc").chmod(0o755)
+    monkeypatch.setenv("PATH", str(wrappers))
+    assert extension.cuda_home() is None  # nothing names the toolkit...
+    monkeypatch.setattr(extension, "DEFAULT_CUDA_HOME", real)
+    assert extension.cuda_home() == real  # ...but the conventional folder holds it
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "stale"))  # a CUDA_HOME without a toolkit is passed over
+    assert extension.cuda_home() == real
+    other = _toolkit(tmp_path / "cuda-12.8")
+    monkeypatch.setenv("CUDA_HOME", str(other))
+    assert extension.cuda_home() == other
 
 
 def test_cuda_kernels_equal_the_fallback():

@@ -72,6 +72,10 @@ _BACKEND = "UCX"
 # "none": shared-memory transports have no peer failure handler; with "peer" UCX refuses them.
 _UCX_PARAMS = {"ucx_error_handling_mode": "none"}
 _MAX_PROBED_GPUS = 64  # device indices tried when finding which GPU a remote pool is on
+# The wheels, built for CUDA 12 (the lock's, and the driver-agnostic choice on CPU machines) or
+# CUDA 13 (hosts whose torch is a CUDA 13 build); `nixl` is the meta package that re-exports one.
+_NIXL_MODULES = (("nixl_cu12", "nixl_cu12._bindings"), ("nixl_cu13", "nixl_cu13._bindings"),
+                 ("nixl._api", "nixl._bindings"))
 _INSTALL_HINT = (
     "install it with `pip install -c constraints.txt nixl-cu12` (torch stays pinned), "
     "or run with the TCP transport"
@@ -104,8 +108,7 @@ def _load() -> dict[str, Any]:
             return _nixl
         if _nixl_error is None:
             errors = []
-            # nixl_cu12 is the wheel itself; `nixl` is the meta package that re-exports it.
-            for api, bindings in (("nixl_cu12", "nixl_cu12._bindings"), ("nixl._api", "nixl._bindings")):
+            for api, bindings in _NIXL_MODULES:
                 try:
                     mod = __import__(api, fromlist=["nixl_agent"])
                     bind = __import__(bindings, fromlist=["nixlBackendError"])
