@@ -174,10 +174,11 @@ def test_device_flag_error_reaches_the_command_line():
     assert out.returncode == 2 and "error: --device cuda:" in out.stderr, out.stderr
 
 
-def test_gpu_check_script_is_valid_bash():
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
+def test_gpu_scripts_are_valid_bash(script):
     bash = shutil.which("bash")
     assert bash is not None
-    out = subprocess.run([bash, "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    out = subprocess.run([bash, "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
