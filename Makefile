@@ -29,7 +29,7 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
 
 # On a machine with an NVIDIA GPU: kernels, bf16 engine vs transformers, VRAM pools over NIXL, KV
-# bandwidth (docs/gpu.md). The script prepares .venv itself, with the CUDA build of torch.
+# bandwidth (docs/gpu.md). The script picks or prepares a Python whose torch sees the GPU.
 gpu-check:
 	bash scripts/gpu_check.sh $(ARGS)
 
