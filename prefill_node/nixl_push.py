@@ -53,23 +53,33 @@ class NixlSession:
             self._queue.put((layer, pieces, _computed_event(self._pool)))
 
     def _post_loop(self) -> None:
-        sb, peer = self._pool.slot_bytes(), self._peer
+        """Post each queued layer. Any failure, not only a refused write (a CUDA error in the
+        event wait, say), is kept for finish(): a sender thread that died silently would let
+        the transfer be confirmed with layers never written."""
         if self._pool.data.is_cuda:  # UCX's CUDA transports use the calling thread's device
-            torch.cuda.set_device(self._pool.data.device)
+            self._guarded(lambda: torch.cuda.set_device(self._pool.data.device))
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            layer, pieces, computed = item
-            if computed is not None:
-                computed.synchronize()
-            local = layer_byte_ranges(self._pool, layer, [(p.src_slot, p.num_slots) for p in pieces])
-            remote = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot), p.num_slots * sb)
-                      for kv in (0, 1) for p in pieces]
-            try:
-                self._handles.append((layer, self._initiator.write(peer.agent_name, local, remote)))
-            except TransferError as exc:
-                self._error = exc
-            self._report_done()
+            if self._error is None:
+                self._guarded(lambda: self._post(*item))
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except TransferError as exc:
+            self._error = self._error or exc
+        except Exception as exc:
+            self._error = self._error or TransferError(f"posting the KV writes failed: {type(exc).__name__}: {exc}",
+                                                       grpc.StatusCode.INTERNAL)
+
+    def _post(self, layer: int, pieces: list[Piece], computed: torch.cuda.Event | None) -> None:
+        sb, peer = self._pool.slot_bytes(), self._peer
+        if computed is not None:
+            computed.synchronize()
+        local = layer_byte_ranges(self._pool, layer, [(p.src_slot, p.num_slots) for p in pieces])
+        remote = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot), p.num_slots * sb)
+                  for kv in (0, 1) for p in pieces]
+        self._handles.append((layer, self._initiator.write(peer.agent_name, local, remote)))
+        self._report_done()
 
     def _report_done(self) -> None:
         """Report the layers whose writes completed by now (in order; later ones wait)."""

@@ -251,5 +251,5 @@ class TcpKvSession:
             try:
                 self._sock.settimeout(self._remaining())
                 self._sock.sendall(item if isinstance(item, bytes) else _writable_bytes(item))
-            except OSError as exc:
+            except Exception as exc:  # not only OSError: a sender thread must never die silently
                 self._error = exc  # keep draining; finish() reports it (after reading any reply)
