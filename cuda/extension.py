@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -56,6 +58,24 @@ def nvcc_path() -> str | None:
     return None if home is None else str(home / "bin" / "nvcc")
 
 
+def toolkit_mismatch(nvcc: str, torch_cuda: str) -> str | None:
+    """Why `nvcc` cannot build for a torch built with CUDA `torch_cuda`, or None.
+
+    The major versions must agree: the extension links the toolkit's CUDA runtime beside torch's.
+    torch checks this for setup.py builds only, not for the JIT build used here.
+    """
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{nvcc} --version failed: {exc}"
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    if found is None:
+        return f"{nvcc} --version printed no CUDA release"
+    if found.group(1) != torch_cuda.split(".")[0]:
+        return f"{nvcc} is CUDA {found.group(1)}.{found.group(2)} but torch was built with CUDA {torch_cuda}"
+    return None
+
+
 def _why_not_buildable() -> str | None:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"{DISABLE_ENV} is set"
@@ -63,8 +83,12 @@ def _why_not_buildable() -> str | None:
         return f"torch {torch.__version__} is a build without CUDA"
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
-    if nvcc_path() is None:
+    nvcc = nvcc_path()
+    if nvcc is None:
         return "no CUDA toolkit found (set CUDA_HOME to the folder holding bin/nvcc and include/cuda_runtime.h)"
+    mismatch = toolkit_mismatch(nvcc, torch.version.cuda)
+    if mismatch:
+        return mismatch
     if shutil.which("ninja") is None:
         return "ninja is not installed (pip install ninja): torch's JIT build needs it"
     return None
@@ -84,6 +108,16 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
+def _smoke_test(ops: object) -> None:
+    """One tiny gather on the GPU: a library that loads but cannot run here (a driver older
+    than the toolkit, a GPU the build did not target) fails now, not in a transfer."""
+    pool = torch.arange(2 * 3 * 8, dtype=torch.float32, device="cuda").view(2, 3, 1, 8)
+    out = torch.empty(2, 1, 1, 8, device="cuda")
+    ops.gather_from_slots(pool, torch.tensor([1], device="cuda"), out)
+    if not torch.equal(out, pool[:, 1:2]):
+        raise RuntimeError("the gather kernel returned wrong data")
+
+
 def _build() -> dict[str, object]:
     reason = _why_not_buildable()
     if reason is None:
@@ -94,8 +128,10 @@ def _build() -> dict[str, object]:
             cpp_extension.load(name=LIBRARY, sources=[str(s) for s in SOURCES],
                                extra_include_paths=[str(SOURCE_DIR)], extra_cflags=["-O3"],
                                extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
-            return {"ops": getattr(torch.ops, LIBRARY)}
-        except Exception as exc:  # a compiler or loader failure: fall back, but say why
-            reason = f"building the paged KV kernels failed: {type(exc).__name__}: {exc}"
+            ops = getattr(torch.ops, LIBRARY)
+            _smoke_test(ops)
+            return {"ops": ops}
+        except Exception as exc:  # a compiler, loader or smoke-test failure: fall back, but say why
+            reason = f"the paged KV kernels failed to build or run: {type(exc).__name__}: {exc}"
             log.warning("%s; using the torch fallback", reason)
     return {"reason": reason}

@@ -129,6 +129,18 @@ def test_cuda_home_sees_through_links_and_wrapper_scripts(tmp_path, monkeypatch)
     assert extension.cuda_home() == other
 
 
+def test_toolkit_and_torch_must_share_the_cuda_major_version(tmp_path):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    nvcc.chmod(0o755)
+    assert extension.toolkit_mismatch(str(nvcc), "13.0") is None
+    assert extension.toolkit_mismatch(str(nvcc), "13.2") is None
+    assert extension.toolkit_mismatch(str(nvcc), "12.8") == f"{nvcc} is CUDA 13.0 but torch was built with CUDA 12.8"
+    nvcc.write_text("#!/bin/sh\necho 'something else'\n")
+    assert "printed no CUDA release" in extension.toolkit_mismatch(str(nvcc), "13.0")
+    assert "--version failed" in extension.toolkit_mismatch(str(tmp_path / "absent"), "13.0")
+
+
 def test_cuda_kernels_equal_the_fallback():
     if not torch.cuda.is_available():
         pytest.skip(f"no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda}): the kernels run "
