@@ -91,26 +91,32 @@ class LlamaModel:
         cfg = self.config = ckpt.config
         self.model_hash = ckpt.model_hash
         self.dtype, self.device = dtype, torch.device(device)
-        w = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.norm = w["model.norm.weight"]
+        w = ckpt.tensors
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            # Fused (concatenated) where the checkpoint lives, then moved once: fusing on a GPU
+            # would leave the unfused copies as cached blocks the KV pool cannot reuse.
+            return t.to(device=device, dtype=dtype)
+
+        self.embed = put(w["model.embed_tokens.weight"])
+        self.norm = put(w["model.norm.weight"])
         # Tied: the packed copy costs the embedding's size again (113 MB for SmolLM2-135M), for the
         # largest product of every step.
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else put(w["lm_head.weight"]))
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = [w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
             bias = None
             if cfg.attention_bias:
-                bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
+                bias = put(torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]))
             self.layers.append({
-                "in_norm": w[f"{p}input_layernorm.weight"],
-                "qkv": Linear(torch.cat(attn), bias),
-                "o": Linear(w[f"{p}self_attn.o_proj.weight"]),
-                "post_norm": w[f"{p}post_attention_layernorm.weight"],
-                "gate_up": Linear(torch.cat([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])),
-                "down": Linear(w[f"{p}mlp.down_proj.weight"]),
+                "in_norm": put(w[f"{p}input_layernorm.weight"]),
+                "qkv": Linear(put(torch.cat(attn)), bias),
+                "o": Linear(put(w[f"{p}self_attn.o_proj.weight"])),
+                "post_norm": put(w[f"{p}post_attention_layernorm.weight"]),
+                "gate_up": Linear(put(torch.cat([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]]))),
+                "down": Linear(put(w[f"{p}mlp.down_proj.weight"])),
             })
         angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), cfg.rope_inv_freq())
         angles = torch.cat([angles, angles], dim=-1)
@@ -181,9 +187,29 @@ class LlamaModel:
             qp = q[start : start + n].transpose(0, 1)[None]
             kp = keys.index_select(0, slots).transpose(0, 1)[None]
             vp = values.index_select(0, slots).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            if mask is not None and qp.is_cuda and nh != kvh:
+                o = grouped_query_attention(qp, kp, vp, mask)
+            else:
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             out[start : start + n] = o[0].transpose(0, 1)
         return out
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention of `q` `[1, nh, n, hd]` over `k`, `v` `[1, kvh, L, hd]` with a `[n, L]`
+    mask, as `enable_gqa=True` computes it, but with the query heads that share a KV head stacked
+    along the sequence: `[1, kvh, group * n, hd]` against plain multi-head K/V.
+
+    On CUDA, flash attention takes no mask and the memory-efficient kernel no `enable_gqa`, so a
+    masked chunk (one after cached context, or under a sliding window) with GQA would fall to
+    the math kernel, which materialises every head's fp32 scores. Stacked, the memory-efficient
+    kernel applies, and K/V are not copied. On the CPU `enable_gqa` is faster, so it stays there.
+    """
+    _, nh, n, hd = q.shape
+    kvh = k.shape[1]
+    stacked = q.reshape(1, kvh, nh // kvh * n, hd)  # head h = kv head h // group, as in transformers
+    o = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask.repeat(nh // kvh, 1))
+    return o.view(1, nh, n, hd)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,8 @@ def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int
         while (cmd := conn.recv()) != "quit":
             if cmd == "clear":
                 pool.data.zero_()
+                if pool.data.is_cuda:  # done before the peer's CUDA IPC writes, which no stream orders
+                    torch.cuda.synchronize(pool.data.device)
                 conn.send(None)
             elif cmd == "digest":
                 conn.send(digest(pool.data.index_select(2, slots)))

@@ -9,9 +9,13 @@ Run it through scripts/gpu_check.sh (it prepares the venv) on a machine with an 
    Last-position logits: our bf16 error against transformers' fp32 must stay within twice
    transformers' own bf16 error. Greedy tokens: identical to transformers' bf16, or diverging
    only at a near tie (the fp32 reference's gap between the two tokens below that bf16 error).
+   The longest prompt is also prefilled in two chunks, the second masked over the first (as
+   after a prefix-cache hit), with SDPA's fused kernels only: no fallback to the math kernel.
 3. disaggregated: a prefill node and a decode node (separate processes, `--device cuda`, VRAM
    pools registered with NIXL, `UCX_TLS=cuda_ipc,...`) generate exactly what a single decode
-   node does (same near-tie allowance), and every prompt went through the prefill node.
+   node does (same near-tie allowance), and every prompt went through the prefill node; the
+   prompts sent at once (one padded decode batch) give what they give alone; a seeded sampled
+   request repeats exactly.
 4. bandwidth: KV moved between two processes' VRAM pools by the NIXL path (prefill_node's
    NixlPusher into decode_node's NixlEndpoint, per layer, as RemoteSend does; contiguous and
    scattered pages; checked to land) and by one raw NIXL write of the same bytes, in GB/s, against
@@ -34,7 +38,9 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -87,6 +93,14 @@ class Report:
     def note(self, text: str) -> None:
         print(f"  {text}", flush=True)
 
+    def guard(self, name: str, check: Callable[[], None]) -> None:
+        """Run one numbered check; an exception fails it, with its traceback, and the next runs."""
+        try:
+            check()
+        except Exception as exc:
+            traceback.print_exc()
+            self.check(name, False, f"stopped by {type(exc).__name__}: {exc}")
+
 
 def cuda_seconds(fn: Callable[[], object], reps: int) -> float:
     """Median seconds of `fn` on the current CUDA stream, by CUDA events, after one warm-up."""
@@ -115,8 +129,9 @@ def check_kernels(report: Report, quick: bool) -> None:
     report.check("kernel build", True, f"built and loaded in {time.perf_counter() - started:.1f} s "
                  f"(TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '<torch default: this GPU>')})")
     g = torch.Generator().manual_seed(7)
-    # (heads, head_dim): SmolLM2's rows, rows of an odd byte size (2-byte copies), wide rows.
-    for heads, head_dim in ((NUM_KV_HEADS, HEAD_DIM), (3, 5), (8, 128)):
+    # (heads, head_dim): SmolLM2's rows, odd byte sizes (2-byte copies), 8-byte copies in
+    # bf16/fp16, wide rows.
+    for heads, head_dim in ((NUM_KV_HEADS, HEAD_DIM), (3, 5), (3, 4), (8, 128)):
         for dtype in DTYPES:
             pool = KVPool(2, heads, head_dim, num_pages=256, page_size=PAGE_SIZE, dtype=dtype, device="cuda")
             pool.data.normal_()
@@ -214,11 +229,22 @@ class Reference:
         return None
 
 
-def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def prefill_logits(model: LlamaModel, ids: list[int], first_chunk: int | None = None) -> torch.Tensor:
+    """Last-position logits of `ids`, prefilled in one chunk or as `first_chunk` positions and then
+    the rest (a masked chunk over cached context, as after a prefix-cache hit)."""
     engine = Engine(model, num_pages=-(-len(ids) // PAGE_SIZE), page_size=PAGE_SIZE)
     seq = engine.new_sequence("check", ids, use_prefix_cache=False)
     engine.reserve(seq, len(ids))
-    return engine.forward([(seq, len(ids))])[0]
+    if first_chunk is not None:
+        engine.forward([(seq, first_chunk)])
+    return engine.forward([(seq, len(ids) - seq.num_computed)])[0]
+
+
+def fused_attention_only():
+    """On CUDA, forbid SDPA's math fallback: a chunk that would need it raises instead."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
 
 
 def compare_tokens(report: Report, ref: Reference, name: str, prompt: list[int], ours: list[int],
@@ -243,6 +269,14 @@ def check_engine(report: Report, model_path: Path, device: str, dtype: torch.dty
     for label, (ours, theirs) in errors.items():
         report.check(f"logits {label}", ours <= max(2 * theirs, LOGIT_FLOOR),
                      f"max |ours - fp32 ref| {ours:.3g}, transformers {str(dtype).removeprefix('torch.')} {theirs:.3g}")
+    label, ids = max(prompts.items(), key=lambda item: len(item[1]))
+    first = len(ids) // 2
+    with fused_attention_only() if device == "cuda" else ExitStack():
+        chunked = (prefill_logits(model, ids, first) - ref.last_logits(ref.fp32, ids)).abs().max().item()
+    ours, theirs = errors[label]
+    report.check(f"chunked logits {label}", chunked <= max(2 * theirs, LOGIT_FLOOR),
+                 f"{first} positions, then {len(ids) - first} over them (a masked chunk"
+                 f"{', fused SDPA kernels only' if device == 'cuda' else ''}): max |ours - fp32 ref| {chunked:.3g}")
     for label, ids in prompts.items():
         compare_tokens(report, ref, f"greedy {label}", ids, engine_greedy(model, ids, GREEDY_TOKENS),
                        hf_greedy(ref.same_dtype, ids, GREEDY_TOKENS))
@@ -252,10 +286,25 @@ def check_engine(report: Report, model_path: Path, device: str, dtype: torch.dty
 # 3. disaggregated pair vs single node
 
 
-def generate(stub, ids: list[int]) -> list[int]:
-    sampling = pb.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+def generate(stub, ids: list[int], sampling: pb.SamplingParams | None = None) -> list[int]:
+    sampling = sampling or pb.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
     return [t for chunk in stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=sampling), timeout=300)
             for t in chunk.token_ids]
+
+
+def generate_concurrently(stub, prompts: list[list[int]]) -> list[list[int]]:
+    """All prompts at once, so the node decodes them as one padded batch."""
+    results: list[list[int]] = [[] for _ in prompts]
+
+    def run(i: int) -> None:
+        results[i] = generate(stub, prompts[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def check_disaggregated(report: Report, model_path: Path, device: str, dtype: torch.dtype, ref: Reference,
@@ -279,6 +328,15 @@ def check_disaggregated(report: Report, model_path: Path, device: str, dtype: to
         sends = pn.metrics()[REMOTE_SENDS] - sends_before
         report.check("prompts went through the prefill node", sends == len(prompts),
                      f"{sends:.0f} RemoteSend calls completed for {len(prompts)} prompts")
+        alone = [generate(single.stub, ids) for ids in prompts]
+        together = generate_concurrently(single.stub, prompts)
+        for ids, a, b in zip(prompts, alone, together):
+            compare_tokens(report, ref, f"batched == alone, {len(ids)}-token prompt", ids, b, a)
+        seeded = pb.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+        draws = [generate(dn.stub, prompts[0], seeded) for _ in range(2)]
+        report.check("seeded sampling repeats", draws[0] == draws[1] and len(draws[0]) == GREEDY_TOKENS,
+                     f"two disaggregated draws with seed 11 at temperature 0.8: {draws[0][:6]}... "
+                     f"{'identical' if draws[0] == draws[1] else f'differ: {draws[1][:6]}...'}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +424,7 @@ def main() -> int:
     if "kernels" in args.only:
         print("1. paged-KV kernels", flush=True)
         if args.device == "cuda":
-            check_kernels(report, args.quick)
+            report.guard("kernels", lambda: check_kernels(report, args.quick))
         else:
             report.note("skipped: no GPU in a rehearsal")
     if "engine" in args.only or "disaggregated" in args.only:
@@ -375,13 +433,14 @@ def main() -> int:
             ref, prompts = Reference(model_path, args.device, dtype), prompt_ids(load_tokenizer(model_path))
             if "engine" in args.only:
                 print(f"2. engine vs transformers ({str(dtype).removeprefix('torch.')}, {model_path.name})", flush=True)
-                check_engine(report, model_path, args.device, dtype, ref, prompts)
+                report.guard("engine", lambda: check_engine(report, model_path, args.device, dtype, ref, prompts))
             if "disaggregated" in args.only:
                 print("3. disaggregated pair vs single node (NIXL)", flush=True)
-                check_disaggregated(report, model_path, args.device, dtype, ref, prompts)
+                report.guard("disaggregated",
+                             lambda: check_disaggregated(report, model_path, args.device, dtype, ref, prompts))
     if "bandwidth" in args.only:
         print("4. KV transfer bandwidth between two processes", flush=True)
-        check_bandwidth(report, args.device, dtype, args.quick)
+        report.guard("bandwidth", lambda: check_bandwidth(report, args.device, dtype, args.quick))
     verdict = f"FAILED: {', '.join(report.failures)}" if report.failures else "all checks passed"
     print(f"\ngpu_check: {verdict} ({time.perf_counter() - started:.0f} s)", flush=True)
     return 1 if report.failures else 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.checkpoint import load_checkpoint
-from common.model import ForwardBatch, LlamaModel, SequenceSlice
+from common.model import ForwardBatch, LlamaModel, SequenceSlice, grouped_query_attention
 from tests.reference import engine_greedy, hf_greedy
 
 PROMPTS = [
@@ -82,3 +82,19 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("window", [None, 40], ids=["after-cached-prefix", "sliding-window"])
+def test_grouped_query_attention_equals_enable_gqa(window):
+    """The CUDA path for masked GQA chunks (common.model.grouped_query_attention) computes what
+    `enable_gqa=True` does; checked on the CPU, where both run."""
+    g = torch.Generator().manual_seed(3)
+    n, context, nh, kvh, hd = 37, 100, 9, 3, 64
+    q = torch.randn(1, nh, n, hd, generator=g).transpose(1, 2).contiguous().transpose(1, 2)  # strided, as in the model
+    k, v = torch.randn(2, 1, kvh, context, hd, generator=g)
+    q_pos = torch.arange(context - n, context)[:, None]
+    mask = torch.arange(context)[None, :] <= q_pos
+    if window is not None:
+        mask &= torch.arange(context)[None, :] > q_pos - window
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(grouped_query_attention(q, k, v, mask), expected, rtol=1e-5, atol=1e-6)
