@@ -20,9 +20,9 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
-def check_device(device: str, dtype: str, transport: str) -> None:
-    """Raise ValueError, naming the flag to change, unless this machine can run `--device`
-    `--dtype` `--transport` together."""
+def check_device(device: str, dtype: str) -> None:
+    """Raise ValueError, naming the flag to change, unless this machine can run `--device` with
+    `--dtype`."""
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     if dtype not in DTYPES:
@@ -36,9 +36,6 @@ def check_device(device: str, dtype: str, transport: str) -> None:
             why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
                    else "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
             raise ValueError(f"--device cuda: {why}; run with --device cpu, or see docs/gpu.md")
-        if transport == "tcp":
-            raise ValueError("--device cuda needs --transport nixl: the TCP transport moves KV through host "
-                             "memory and cannot read or write a pool in GPU memory")
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class DaemonConfig:
             raise ValueError("--threads must be >= 1")
         if self.attention_sinks < 0:
             raise ValueError("--attention-sinks must be >= 0")
-        check_device(self.device, self.dtype, self.transport)
+        check_device(self.device, self.dtype)
         if self.trace_requests < 1:
             raise ValueError("--trace-requests must be >= 1")
         self.tls.validate()

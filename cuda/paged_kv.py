@@ -9,9 +9,10 @@ head_dim]`. A *buffer* is `[2, n, heads, head_dim]`, contiguous: row i holds the
 - :func:`gather_from_slots` reads the slots into a (new or given) buffer: a contiguous send
   buffer for such a transport.
 
-Staged for the GPU transports: the serving path does not call them yet, because NIXL writes the
-scattered destination slots directly (one descriptor per run) and the TCP transport serves CPU
-pools only; scripts/gpu_check.py and tests/test_cuda_kernels.py exercise them.
+The TCP transport gathers a GPU pool's layer with :func:`gather_from_slots` before copying it to
+host memory (common/transports/tcp_transport.py). No transport here needs the scatter: each TCP
+frame covers one contiguous run of destination slots, and NIXL writes the runs directly (one
+descriptor per run); it is there for a transport that lands one buffer per layer.
 
 Each picks its implementation per call: the CUDA kernels of cuda/paged_kv.cu when the pool is on
 a CUDA device and the kernels built (cuda/extension.py), else the torch fallback

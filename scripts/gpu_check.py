@@ -18,8 +18,9 @@ Run it through scripts/gpu_check.sh (it prepares the venv) on a machine with an 
    request repeats exactly.
 4. bandwidth: KV moved between two processes' VRAM pools by the NIXL path (prefill_node's
    NixlPusher into decode_node's NixlEndpoint, per layer, as RemoteSend does; contiguous and
-   scattered pages; checked to land) and by one raw NIXL write of the same bytes, in GB/s, against
-   a device-to-device `copy_` of the same bytes.
+   scattered pages; checked to land), by the TCP path (gathered on the GPU, staged through
+   pinned host memory on both sides; checked to land) and by one raw NIXL write of the same
+   bytes, in GB/s, against a device-to-device `copy_` of the same bytes.
 
 Exit status 1 if any check fails. `--device cpu` rehearses 2-4 on the CPU in fp32 (the kernels
 are skipped), to try the script itself on a machine without a GPU.
@@ -361,31 +362,35 @@ def check_bandwidth(report: Report, device: str, dtype: torch.dtype, quick: bool
                     torch.cuda.synchronize()
 
             with ExitStack() as stack:
-                conn, (info,) = stack.enter_context(decode_process(num_pages, layout.dst_segments, ("nixl",),
-                                                                   dtype, device))
+                conn, (info, tcp_info) = stack.enter_context(
+                    decode_process(num_pages, layout.dst_segments, ("nixl", "tcp"), dtype, device))
                 pusher = open_pusher("nixl", src, f"gpu-check-{layout_name}-{tokens}")
                 stack.callback(pusher.close)
                 pusher.connect(PEER, info)
+                tcp = open_pusher("tcp", src, "")
+                tcp.connect(PEER, tcp_info)
                 raw = stack.enter_context(NixlInitiator(f"gpu-check-raw-{layout_name}-{tokens}", src.data))
                 raw.connect(info.nixl_agent_name, info.nixl_agent_metadata)
                 whole_src, whole_dst = [(src.data.data_ptr(), nbytes)], [(info.pool_base_address, nbytes)]
                 methods = {
                     "nixl_path": lambda: push_all_layers(pusher, layout),
+                    "tcp_path": lambda: push_all_layers(tcp, layout),
                     "raw_nixl": lambda: raw.wait(raw.write(info.nixl_agent_name, whole_src, whole_dst),
                                                  TRANSFER_TIMEOUT_S),
                     "device_copy": device_copy,
                 }
                 try:
                     check_lands(conn, methods["nixl_path"], expected, "NIXL path")
+                    check_lands(conn, methods["tcp_path"], expected, "TCP path (staged through host memory)")
                 except RuntimeError as exc:
                     report.check(f"KV lands, {layout_name} {tokens} tok", False, str(exc))
                     continue
                 seconds = timed_rounds(methods, warmup=1, reps=3 if quick else 5)
             gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
             report.check(f"KV {layout_name} {tokens} tok, {nbytes / 1e6:.0f} MB", True,
-                         f"lands byte-exact; NIXL path {gbps['nixl_path']:.1f} GB/s, raw NIXL {gbps['raw_nixl']:.1f} "
-                         f"GB/s, {device} copy {gbps['device_copy']:.1f} GB/s "
-                         f"(path/copy {gbps['nixl_path'] / gbps['device_copy']:.2f}x)")
+                         f"lands byte-exact by NIXL and TCP; NIXL path {gbps['nixl_path']:.1f} GB/s, raw NIXL "
+                         f"{gbps['raw_nixl']:.1f} GB/s, TCP path {gbps['tcp_path']:.1f} GB/s, {device} copy "
+                         f"{gbps['device_copy']:.1f} GB/s (NIXL path/copy {gbps['nixl_path'] / gbps['device_copy']:.2f}x)")
 
 
 def model_under_test(choice: str | None, scratch: Path) -> Path:

@@ -1,4 +1,8 @@
-"""The TCP fallback's receiver: bytes land in exactly the granted slots; anything else is refused."""
+"""The TCP fallback's receiver: bytes land in exactly the granted slots; anything else is refused.
+
+Each test runs twice: reading and writing the pool in place (a pool in host memory), and staged
+through host buffers, the path of a pool in GPU memory (here on the CPU: gather, staging copies
+and offsets are the same; pinning and the CUDA event are what only a GPU adds)."""
 from __future__ import annotations
 
 import time
@@ -11,7 +15,14 @@ from common.errors import NotFound
 from common.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import Piece
+from common.transports import tcp_transport
 from common.transports.tcp_transport import TcpKvReceiver, TcpKvSession, WriteGrant
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["in-place", "staged"])
+def staged(request, monkeypatch) -> bool:
+    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: request.param)
+    return request.param
 
 
 def _pools():
@@ -78,3 +89,23 @@ def test_unreachable_receiver_is_unavailable():
     with pytest.raises(TransferError) as info:
         TcpKvSession("127.0.0.1:1", src, "r", 7)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_failed_device_copy_fails_the_transfer(monkeypatch):
+    """On a GPU pool the sender thread first waits for the layer's copy to host; a CUDA error
+    there must fail the transfer, not kill the thread."""
+    def broken_copy():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: True)
+    monkeypatch.setattr(tcp_transport, "_stage_on_host", lambda pool, layer, pieces: (torch.ones(2, 5, 2, 4), broken_copy))
+    src, dst = _pools()
+    receiver = _receiver(dst, [(20, 5)], [])
+    try:
+        session = TcpKvSession(receiver.address, src, "r", 7, timeout_s=5)
+        session.post_layer(0, [Piece(0, 20, 5)])
+        with pytest.raises(TransferError, match="illegal memory access"):
+            session.finish()
+        assert session.failed and not dst.data.any()
+    finally:
+        receiver.close()

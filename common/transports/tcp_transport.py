@@ -13,10 +13,17 @@ While a connection writes into a reservation, the receiver holds an extra refere
 pages (`pin`), so a lease that expires mid-transfer cannot hand those pages to another request
 before the writer is done. A writer that goes silent keeps them only while the reservation is
 alive: once it is gone, a stall of POLL_S drops the connection and the pin.
+
+A pool in GPU memory goes through host memory. The sender gathers a layer's pieces on the
+device into one buffer (cuda/paged_kv.py: one kernel, not a copy per piece), copies it to pinned
+host memory without blocking the forward thread, and its sender thread waits for that copy
+before sending the layer. The receiver lands each frame in pinned host memory and copies it
+into its slots, which are one contiguous run.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import queue
 import socket
@@ -33,6 +40,7 @@ from common.errors import RequestError
 from common.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import Piece
+from cuda.paged_kv import gather_from_slots
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +93,31 @@ def _recv_struct(sock: socket.socket, st: struct.Struct, alive: Callable[[], boo
 
 def _writable_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
+
+
+def _through_host(pool: KVPool) -> bool:
+    """Whether the pool's bytes are staged in host memory: a socket cannot reach GPU memory."""
+    return pool.data.is_cuda
+
+
+def _host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """Host memory for `like`'s bytes; pinned for a GPU tensor, so copies to and from it are DMA."""
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+
+
+def _stage_on_host(pool: KVPool, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`[2, rows, heads, head_dim]` host copy of the layer's K/V at the pieces' source slots (in
+    piece order), and a function that waits until the copy has landed. Called on the forward
+    thread, so the gather is queued after the layer's compute on the same stream."""
+    slots = torch.cat([torch.arange(p.src_slot, p.src_slot + p.num_slots) for p in pieces])
+    gathered = gather_from_slots(pool.data[layer], slots)
+    host = _host_buffer(gathered)
+    host.copy_(gathered, non_blocking=gathered.is_cuda)
+    if not gathered.is_cuda:
+        return host, lambda: None
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied.synchronize
 
 
 class TcpKvReceiver:
@@ -162,7 +195,13 @@ class TcpKvReceiver:
                 _reply(conn, grpc.StatusCode.PERMISSION_DENIED,
                        f"write outside the reservation: layer {layer} kv {kv} slots [{slot}, {slot + n})")
                 raise ValueError("write outside the reservation")
-            _recv_exact(conn, _writable_bytes(pool.data[layer, kv, slot : slot + n]), alive)
+            target = pool.data[layer, kv, slot : slot + n]
+            if _through_host(pool):
+                staged = _host_buffer(target)
+                _recv_exact(conn, _writable_bytes(staged), alive)
+                target.copy_(staged)
+            else:
+                _recv_exact(conn, _writable_bytes(target), alive)
 
 
 def _reply(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
@@ -201,11 +240,18 @@ class TcpKvSession:
         return self._error is not None
 
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
+        if pieces and _through_host(self._pool):
+            staged, wait_copied = _stage_on_host(self._pool, layer, pieces)
+            self._queue.put(wait_copied)  # the sender thread waits here, not the forward
+            offsets = list(itertools.accumulate((p.num_slots for p in pieces), initial=0))
+            rows = [staged[:, offset : offset + p.num_slots] for offset, p in zip(offsets, pieces)]
+        else:
+            rows = [self._pool.data[layer, :, p.src_slot : p.src_slot + p.num_slots] for p in pieces]
         for kv in (0, 1):
-            for p in pieces:
+            for p, piece_rows in zip(pieces, rows):
                 header = _OP.pack(_OP_WRITE) + _WRITE.pack(layer, kv, p.dst_slot, p.num_slots)
                 self._queue.put(header)
-                self._queue.put(self._pool.data[layer, kv, p.src_slot : p.src_slot + p.num_slots])
+                self._queue.put(piece_rows[kv])
         self._queue.put(layer)  # the sender reports the layer sent when it gets here
 
     def finish(self) -> None:
@@ -249,6 +295,9 @@ class TcpKvSession:
                 self._on_layer_done(item)
                 continue
             try:
+                if callable(item):  # a staged layer: wait for its device-to-host copy
+                    item()
+                    continue
                 self._sock.settimeout(self._remaining())
                 self._sock.sendall(item if isinstance(item, bytes) else _writable_bytes(item))
             except Exception as exc:  # not only OSError: a sender thread must never die silently
