@@ -18,7 +18,8 @@ Each picks its implementation per call: the CUDA kernels of cuda/paged_kv.cu whe
 a CUDA device and the kernels built (cuda/extension.py), else the torch fallback
 (`index_copy_` / `index_select`), which also serves CPU pools. Both give the same bytes. Inputs
 are checked the same way on both paths (ValueError); checking slot bounds reads them, so CUDA
-`slots` cost one device sync: pass them on the CPU where they are made. Slots must be distinct
+`slots` cost one device sync: pass them on the CPU where they are made (they are then copied to
+the device without waiting for it). Slots must be distinct
 (a sequence's are); with repeats, which row lands is unspecified.
 """
 from __future__ import annotations
@@ -86,4 +87,9 @@ def _checked(pool: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor, name
         low, high = (int(v) for v in torch.aminmax(slots))
         if low < 0 or high >= pool.shape[1]:
             raise ValueError(f"slots must lie in [0, {pool.shape[1]}), got [{low}, {high}]")
-    return slots.to(device=pool.device, dtype=torch.int64).contiguous()
+    slots = slots.to(dtype=torch.int64).contiguous()
+    if pool.is_cuda and not slots.is_cuda:
+        # From pinned memory the copy is queued; from pageable memory it would first wait for
+        # all work queued on the GPU (the layer being computed, say).
+        slots = slots.pin_memory().to(pool.device, non_blocking=True)
+    return slots
