@@ -121,8 +121,8 @@ class PrefillScheduler(EngineLoop):
             # Positions served by this node's prefix cache travel now, from the cached pages.
             cached = job.pieces(self.engine, 0, job.seq.num_computed)
             for layer in range(self.engine.pool.num_layers):
-                job.session.post_layer(layer, cached)
                 self._trace_posted(job, layer, cached, source="prefix_cache")
+                job.session.post_layer(layer, cached)
 
     def _has_work(self) -> bool:
         return bool(self._jobs or self._waiting)
@@ -145,8 +145,8 @@ class PrefillScheduler(EngineLoop):
         def push(layer: int) -> None:
             for job, _, pieces in work:
                 if pieces:
-                    job.session.post_layer(layer, pieces)
                     self._trace_posted(job, layer, pieces, source="forward")
+                    job.session.post_layer(layer, pieces)
 
         started, started_unix = time.perf_counter(), time.time()
         try:
@@ -173,7 +173,8 @@ class PrefillScheduler(EngineLoop):
                     job.prefilled.set()
 
     def _trace_posted(self, job: PrefillJob, layer: int, pieces: list[Piece], source: str) -> None:
-        """One layer's K/V of `job` handed to its transfer session."""
+        """One layer's K/V of `job` about to be handed to its transfer session (traced first: the
+        session's sender thread may report the layer done before `post_layer` returns)."""
         if pieces:
             slots = sum(p.num_slots for p in pieces)
             self.tracer.event(job.seq.seq_id, "transfer_layer_posted", layer=layer, slots=slots,
