@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from common.checkpoint import Checkpoint
 from common.kv_pool import KVPool
-from common.model_config import ModelConfig
 from common.packed_linear import Linear
 
 

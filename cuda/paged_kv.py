@@ -34,11 +34,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def scatter_to_slots(pool_layer_kv: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
     """`pool_layer_kv[:, slots[i]] = src[:, i]` for every i."""
     slots = _checked(pool_layer_kv, src, slots, "src")
-    ops = extension.kernels() if pool_layer_kv.is_cuda else None
-    if ops is None:
-        torch_scatter_to_slots(pool_layer_kv, src, slots)
-    else:
-        ops.scatter_to_slots(pool_layer_kv, src, slots)
+    ops = _kernels_for(pool_layer_kv)
+    (torch_scatter_to_slots if ops is None else ops.scatter_to_slots)(pool_layer_kv, src, slots)
 
 
 def gather_from_slots(pool_layer_kv: torch.Tensor, slots: torch.Tensor,
@@ -47,12 +44,14 @@ def gather_from_slots(pool_layer_kv: torch.Tensor, slots: torch.Tensor,
     if out is None:
         out = pool_layer_kv.new_empty((2, slots.numel(), *pool_layer_kv.shape[2:]))
     slots = _checked(pool_layer_kv, out, slots, "out")
-    ops = extension.kernels() if pool_layer_kv.is_cuda else None
-    if ops is None:
-        torch_gather_from_slots(pool_layer_kv, slots, out)
-    else:
-        ops.gather_from_slots(pool_layer_kv, slots, out)
+    ops = _kernels_for(pool_layer_kv)
+    (torch_gather_from_slots if ops is None else ops.gather_from_slots)(pool_layer_kv, slots, out)
     return out
+
+
+def _kernels_for(pool_layer_kv: torch.Tensor) -> object | None:
+    """The CUDA kernels for a pool on a GPU, when they built; None: use the torch fallback."""
+    return extension.kernels() if pool_layer_kv.is_cuda else None
 
 
 def torch_scatter_to_slots(pool_layer_kv: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:

@@ -238,6 +238,33 @@ def check_lands(conn: Connection, move: Callable[[], None], expected: str, what:
         raise RuntimeError(f"{what}: the decode pool does not hold the source KV after a transfer")
 
 
+@contextmanager
+def transfer_methods(src: KVPool, layout: Layout,
+                     name: str) -> Iterator[tuple[Connection, dict[str, Callable[[], None]]]]:
+    """A decode process (its pool like `src`'s, both endpoints open) and the ways to move all of
+    `src`'s KV for `layout` into it: the NIXL path and TCP as RemoteSend uses them, and one raw
+    NIXL write of the whole pool. Everything is closed on exit."""
+    nbytes = src.data.numel() * src.data.element_size()
+    with ExitStack() as stack:
+        conn, (nixl_info, tcp_info) = stack.enter_context(decode_process(
+            src.num_pages, layout.dst_segments, ("nixl", "tcp"), src.data.dtype, src.data.device.type))
+        nixl = open_pusher("nixl", src, f"{name}-prefill")
+        stack.callback(nixl.close)
+        nixl.connect(PEER, nixl_info)
+        tcp = open_pusher("tcp", src, "")
+        stack.callback(tcp.close)
+        tcp.connect(PEER, tcp_info)
+        raw = stack.enter_context(NixlInitiator(f"{name}-raw", src.data))
+        raw.connect(nixl_info.nixl_agent_name, nixl_info.nixl_agent_metadata)
+        whole_src, whole_dst = [(src.data.data_ptr(), nbytes)], [(nixl_info.pool_base_address, nbytes)]
+        yield conn, {
+            "nixl_path": lambda: push_all_layers(nixl, layout),
+            "tcp": lambda: push_all_layers(tcp, layout),
+            "raw_nixl": lambda: raw.wait(raw.write(nixl_info.nixl_agent_name, whole_src, whole_dst),
+                                         TRANSFER_TIMEOUT_S),
+        }
+
+
 def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int) -> KvRow:
     """The four methods over the same `tokens` positions, each in its own fresh pools."""
     layout = LAYOUTS[layout_name](tokens, seed=tokens)
@@ -249,25 +276,8 @@ def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int) -> KvRow:
     assert src.data.numel() * src.data.element_size() == nbytes
     copy_dst = torch.empty_like(src.data)
 
-    with ExitStack() as stack:
-        conn, (nixl_info, tcp_info) = stack.enter_context(decode_process(num_pages, layout.dst_segments))
-        nixl = open_pusher("nixl", src, f"bench-prefill-{tokens}")
-        stack.callback(nixl.close)
-        nixl.connect(PEER, nixl_info)
-        tcp = open_pusher("tcp", src, "")
-        stack.callback(tcp.close)
-        tcp.connect(PEER, tcp_info)
-        raw = stack.enter_context(NixlInitiator(f"bench-raw-{tokens}", src.data))
-        raw.connect(nixl_info.nixl_agent_name, nixl_info.nixl_agent_metadata)
-        whole_src, whole_dst = [(src.data.data_ptr(), nbytes)], [(nixl_info.pool_base_address, nbytes)]
-
-        methods = {
-            "nixl_path": lambda: push_all_layers(nixl, layout),
-            "tcp": lambda: push_all_layers(tcp, layout),
-            "memcpy": lambda: copy_dst.copy_(src.data),
-            "raw_nixl": lambda: raw.wait(raw.write(nixl_info.nixl_agent_name, whole_src, whole_dst),
-                                         TRANSFER_TIMEOUT_S),
-        }
+    with transfer_methods(src, layout, f"bench-{tokens}") as (conn, methods):
+        methods["memcpy"] = lambda: copy_dst.copy_(src.data)
         check_lands(conn, methods["nixl_path"], expected, "NIXL path")
         check_lands(conn, methods["tcp"], expected, "TCP")
         seconds = timed_rounds(methods, warmup, reps)

@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -54,14 +54,11 @@ from common.kv_pool import KVPool
 from common.model import LlamaModel
 from common.model_loading import load_model_and_tokenizer
 from common.tokenizer import Tokenizer, load_tokenizer
-from common.transports.nixl_transport import NixlInitiator
 from cuda import extension
 from cuda.paged_kv import DTYPES, torch_gather_from_slots, torch_scatter_to_slots
-from prefill_node.kv_push import open_pusher
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.bench_transfer import (HEAD_DIM, LAYOUTS, NUM_KV_HEADS, NUM_LAYERS, PAGE_SIZE, PEER,
-                                    TRANSFER_TIMEOUT_S, check_lands, decode_process, digest,
-                                    push_all_layers, timed_rounds)
+from scripts.bench_transfer import (HEAD_DIM, LAYOUTS, NUM_KV_HEADS, NUM_LAYERS, PAGE_SIZE, check_lands,
+                                    digest, timed_rounds, transfer_methods)
 from scripts.local_daemons import decode_node, prefill_node
 from tests.reference import engine_greedy, hf_greedy
 
@@ -272,7 +269,7 @@ def check_engine(report: Report, model_path: Path, device: str, dtype: torch.dty
                      f"max |ours - fp32 ref| {ours:.3g}, transformers {str(dtype).removeprefix('torch.')} {theirs:.3g}")
     label, ids = max(prompts.items(), key=lambda item: len(item[1]))
     first = len(ids) // 2
-    with fused_attention_only() if device == "cuda" else ExitStack():
+    with fused_attention_only() if device == "cuda" else nullcontext():
         chunked = (prefill_logits(model, ids, first) - ref.last_logits(ref.fp32, ids)).abs().max().item()
     ours, theirs = errors[label]
     report.check(f"chunked logits {label}", chunked <= max(2 * theirs, LOGIT_FLOOR),
@@ -361,27 +358,11 @@ def check_bandwidth(report: Report, device: str, dtype: torch.dtype, quick: bool
                 if device == "cuda":
                     torch.cuda.synchronize()
 
-            with ExitStack() as stack:
-                conn, (info, tcp_info) = stack.enter_context(
-                    decode_process(num_pages, layout.dst_segments, ("nixl", "tcp"), dtype, device))
-                pusher = open_pusher("nixl", src, f"gpu-check-{layout_name}-{tokens}")
-                stack.callback(pusher.close)
-                pusher.connect(PEER, info)
-                tcp = open_pusher("tcp", src, "")
-                tcp.connect(PEER, tcp_info)
-                raw = stack.enter_context(NixlInitiator(f"gpu-check-raw-{layout_name}-{tokens}", src.data))
-                raw.connect(info.nixl_agent_name, info.nixl_agent_metadata)
-                whole_src, whole_dst = [(src.data.data_ptr(), nbytes)], [(info.pool_base_address, nbytes)]
-                methods = {
-                    "nixl_path": lambda: push_all_layers(pusher, layout),
-                    "tcp_path": lambda: push_all_layers(tcp, layout),
-                    "raw_nixl": lambda: raw.wait(raw.write(info.nixl_agent_name, whole_src, whole_dst),
-                                                 TRANSFER_TIMEOUT_S),
-                    "device_copy": device_copy,
-                }
+            with transfer_methods(src, layout, f"gpu-check-{layout_name}-{tokens}") as (conn, methods):
+                methods["device_copy"] = device_copy
                 try:
                     check_lands(conn, methods["nixl_path"], expected, "NIXL path")
-                    check_lands(conn, methods["tcp_path"], expected, "TCP path (staged through host memory)")
+                    check_lands(conn, methods["tcp"], expected, "TCP path (staged through host memory)")
                 except RuntimeError as exc:
                     report.check(f"KV lands, {layout_name} {tokens} tok", False, str(exc))
                     continue
@@ -389,7 +370,7 @@ def check_bandwidth(report: Report, device: str, dtype: torch.dtype, quick: bool
             gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
             report.check(f"KV {layout_name} {tokens} tok, {nbytes / 1e6:.0f} MB", True,
                          f"lands byte-exact by NIXL and TCP; NIXL path {gbps['nixl_path']:.1f} GB/s, raw NIXL "
-                         f"{gbps['raw_nixl']:.1f} GB/s, TCP path {gbps['tcp_path']:.1f} GB/s, {device} copy "
+                         f"{gbps['raw_nixl']:.1f} GB/s, TCP path {gbps['tcp']:.1f} GB/s, {device} copy "
                          f"{gbps['device_copy']:.1f} GB/s (NIXL path/copy {gbps['nixl_path'] / gbps['device_copy']:.2f}x)")
 
 
