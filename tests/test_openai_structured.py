@@ -73,7 +73,9 @@ def test_greedy_token_logprobs_equal_transformers(pair, hf_model, tokenizer):
     streamed = front.client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=6, temperature=0,
                                                logprobs=3, stream=True)
     pieces = [e.choices[0].logprobs for e in streamed if e.choices and e.choices[0].logprobs]
-    assert [t for p in pieces for t in p.token_logprobs] == r.choices[0].logprobs.token_logprobs
+    # (the prompt's pages come from the prefix cache now: the same values up to float rounding)
+    streamed_logprobs = [t for p in pieces for t in p.token_logprobs]
+    assert streamed_logprobs == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=TOLERANCE)
     assert [o for p in pieces for o in p.text_offset] == r.choices[0].logprobs.text_offset
 
 
@@ -138,9 +140,15 @@ def test_json_schema_outputs_parse_and_validate(pair):
         jsonschema.validate(json.loads(text), PERSON)
     assert len(set(outputs)) > 1  # sampled, not one forced answer
 
-    r = front.client.completions.create(model=NAMES[0], prompt="A JSON object describing a cat:", max_tokens=60,
-                                        temperature=0.8, seed=1, response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].text), dict)
+    ask = "Give the name and age of a person as a JSON object."
+    json_object = {"type": "json_object"}
+    r = front.client.completions.create(model=NAMES[0], prompt=ask, max_tokens=100, temperature=0,
+                                        extra_body={"response_format": json_object})
+    chat = front.client.chat.completions.create(model=NAMES[0], messages=[{"role": "user", "content": ask}],
+                                                max_tokens=100, temperature=0, response_format=json_object)
+    for text, reason in ((r.choices[0].text, r.choices[0].finish_reason),
+                         (chat.choices[0].message.content, chat.choices[0].finish_reason)):
+        assert reason == "stop" and isinstance(json.loads(text), dict)
 
 
 def test_grpc_guided_regex_and_choice(pair):
