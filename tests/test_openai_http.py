@@ -293,7 +293,7 @@ def test_chunked_request_bodies_are_refused_and_the_connection_closed(pair):
 
 
 def test_router_serves_the_same_api(pair, tmp_path, model_name):
-    dn, pn, _ = pair
+    dn, pn, direct_front = pair
     port = free_port()
     with router(tmp_path, "--decode", dn.address, "--prefill", pn.address, "--poll-seconds", "0.2",
                 "--openai-port", str(port)):
@@ -305,6 +305,13 @@ def test_router_serves_the_same_api(pair, tmp_path, model_name):
                                                   temperature=0, stream=True)
         request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=greedy())
         assert "".join(e.choices[0].delta.content or "" for e in streamed) == grpc_generate(dn.stub, request)[0]
+        # Prompt logprobs: the router sends such a request to the decode node's Generate (computed there).
+        scored = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+        direct = direct_front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True,
+                                                        logprobs=0)
+        assert scored.choices[0].text == PROMPT and scored.choices[0].logprobs.token_logprobs[0] is None
+        assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+            direct.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
 
 
 
