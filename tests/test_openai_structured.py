@@ -105,6 +105,12 @@ def test_echo_with_max_tokens_0_scores_every_prompt_token(pair, hf_model, tokeni
                                         temperature=0)
     assert len(r.choices[0].logprobs.token_logprobs) == len(prompt) + 1
     assert r.choices[0].text.startswith(PROMPT + " then")
+    # Streamed, the prompt comes first, then the completion's tokens with offsets that continue it.
+    events = [e.choices[0] for e in front.client.completions.create(
+        model=NAMES[0], prompt=prompt, max_tokens=2, echo=True, logprobs=0, temperature=0, stream=True)]
+    assert events[0].text == PROMPT + " then" and events[0].logprobs.token_logprobs[0] is None
+    offsets = [o for e in events if e.logprobs for o in e.logprobs.text_offset]
+    assert len(offsets) == len(prompt) + 2 and offsets[len(prompt)] == len(PROMPT + " then")
     # echo without logprobs, and max_tokens 0 without echo
     plain = front.client.completions.create(model=NAMES[0], prompt=prompt, max_tokens=2, echo=True, temperature=0)
     assert plain.choices[0].text.startswith(PROMPT + " then") and plain.choices[0].logprobs is None
