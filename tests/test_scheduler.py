@@ -168,7 +168,7 @@ def test_parallel_samples_prefill_once_and_each_equals_a_solo_run(model, make_sc
     s = make_scheduler()
     computed = []
     forward = s.engine.forward
-    s.engine.forward = lambda work, *a: computed.append(sum(n for _, n in work)) or forward(work, *a)
+    s.engine.forward = lambda work, *a, **k: computed.append(sum(n for _, n in work)) or forward(work, *a, **k)
     h = s.submit("n3", s.engine.new_sequence("n3", prompt), SamplingParams(max_tokens=8, ignore_eos=True, n=3))
     tokens, reasons, last = collect_samples(h)
     assert tokens == {0: want, 1: want, 2: want} and reasons == {0: "length", 1: "length", 2: "length"}
