@@ -36,12 +36,13 @@ class PositionLogprobs:
 
 def position_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: int) -> list[PositionLogprobs]:
     """`logprobs` `[T, vocab]` (log-softmaxed) -> each row's entry for `tokens[row]` and its
-    `top_n` most likely tokens."""
+    `top_n` most likely tokens (fewer where fewer are possible: masked tokens are left out)."""
     picked = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
     top_values, top_ids = (logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], logprobs[:, :0]))
     out = []
     for token, lp, values, ids in zip(tokens, picked, top_values.tolist(), top_ids.long().tolist()):
-        out.append(PositionLogprobs(TokenLogprob(token, lp), tuple(map(TokenLogprob, ids, values))))
+        top = tuple(TokenLogprob(i, v) for i, v in zip(ids, values) if v != float("-inf"))
+        out.append(PositionLogprobs(TokenLogprob(token, lp), top))
     return out
 
 

@@ -70,6 +70,12 @@ def test_greedy_token_logprobs_equal_transformers(pair, hf_model, tokenizer):
         assert abs(entry.logprob - float(row[token])) < TOLERANCE
         assert [bytes(t.bytes) for t in entry.top_logprobs] == [tokenizer.token_bytes(t) for t in row.topk(2).indices]
 
+    streamed_chat = front.client.chat.completions.create(model=NAMES[0], messages=MESSAGES, max_tokens=5,
+                                                         temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    streamed_content = [c for e in streamed_chat if e.choices and e.choices[0].logprobs
+                        for c in e.choices[0].logprobs.content]
+    assert [c.token for c in streamed_content] == [c.token for c in content]
+
     streamed = front.client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=6, temperature=0,
                                                logprobs=3, stream=True)
     pieces = [e.choices[0].logprobs for e in streamed if e.choices and e.choices[0].logprobs]
@@ -165,11 +171,13 @@ def test_grpc_guided_regex_and_choice(pair):
         chunks = list(dn.stub.Generate(pb.GenerateRequest(prompt="A code:", sampling=sampling), timeout=120))
         assert re.fullmatch(regex, "".join(c.text for c in chunks)) and chunks[-1].finish_reason == "stop"
     choices = ["yes", "no", "maybe later"]
-    sampling = pb.SamplingParams(max_tokens=20, temperature=1.0, seed=0, n=3,
+    sampling = pb.SamplingParams(max_tokens=20, temperature=1.0, seed=0, n=3, logprobs=True, top_logprobs=20,
                                  guided=pb.GuidedDecoding(choice=pb.GuidedDecoding.Choices(choices=choices)))
     chunks = list(dn.stub.Generate(pb.GenerateRequest(prompt="Will it rain?", sampling=sampling), timeout=120))
     texts = {i: "".join(c.text for c in chunks if c.index == i) for i in range(3)}
     assert set(texts.values()) <= set(choices)
+    first = [c.logprobs[0] for c in chunks if c.index == 0][0]  # only tokens the grammar allows are possible
+    assert 0 < len(first.top) < 20 and all(t.logprob > float("-inf") for t in first.top)
     with pytest.raises(grpc.RpcError) as refused:
         list(dn.stub.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
             guided=pb.GuidedDecoding(regex="((")))))
