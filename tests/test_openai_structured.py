@@ -51,6 +51,8 @@ def test_greedy_token_logprobs_equal_transformers(pair, hf_model, tokenizer):
     generated = hf_greedy(hf_model, prompt, 6)
     want = hf_logprobs(hf_model, prompt + generated)[len(prompt) - 1 : -1]
     lp = r.choices[0].logprobs
+    assert [m.id for m in front.client.models.list().data] == list(NAMES)
+    assert front.client.models.retrieve(NAMES[1]).id == NAMES[1]
     assert r.model == NAMES[0] and lp.tokens == [token_text(tokenizer.token_bytes(t)) for t in generated]
     for got, top, row, token in zip(lp.token_logprobs, lp.top_logprobs, want, generated):
         assert abs(got - float(row[token])) < TOLERANCE

@@ -24,6 +24,12 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Chat without a limit generates until EOS or the model's context is full (the node stops there).
 CHAT_DEFAULT_MAX_TOKENS = 2**31 - 1
 
+
+class Endpoint(Enum):
+    COMPLETIONS = "text_completion"
+    CHAT = "chat.completion"
+
+
 HONOURED = None  # a FIELDS entry: the field is read and acted on
 _ZERO = (None, 0)
 _NOTHING = (None,)
@@ -36,7 +42,6 @@ _COMMON_FIELDS: dict[str, Any] = {
     "top_k": HONOURED, "ignore_eos": HONOURED,  # vLLM extensions that standard benchmarks send
     "logit_bias": (None, {}), "presence_penalty": _ZERO, "frequency_penalty": _ZERO,
 }
-FIELDS: dict[Endpoint, dict[str, Any]] = {}  # filled below, once Endpoint exists
 _COMPLETION_ONLY: dict[str, Any] = {"prompt": HONOURED, "echo": HONOURED, "best_of": HONOURED, "suffix": (None, "")}
 _CHAT_ONLY: dict[str, Any] = {
     "messages": HONOURED, "max_completion_tokens": HONOURED, "top_logprobs": HONOURED,
@@ -47,15 +52,8 @@ _CHAT_ONLY: dict[str, Any] = {
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
     "moderation": _NOTHING, "prompt_cache_options": _NOTHING, "prompt_cache_retention": _NOTHING,
 }
-
-
-class Endpoint(Enum):
-    COMPLETIONS = "text_completion"
-    CHAT = "chat.completion"
-
-
-FIELDS[Endpoint.COMPLETIONS] = {**_COMMON_FIELDS, **_COMPLETION_ONLY}
-FIELDS[Endpoint.CHAT] = {**_COMMON_FIELDS, **_CHAT_ONLY}
+FIELDS: dict[Endpoint, dict[str, Any]] = {Endpoint.COMPLETIONS: {**_COMMON_FIELDS, **_COMPLETION_ONLY},
+                                          Endpoint.CHAT: {**_COMMON_FIELDS, **_CHAT_ONLY}}
 
 
 @dataclass(frozen=True)
