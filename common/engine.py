@@ -7,7 +7,7 @@ sequence's computed length grows.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import torch
@@ -102,12 +102,14 @@ class Engine:
         self,
         work: list[tuple[Sequence, int]],
         on_layer_done: Callable[[int], None] | None = None,
+        every_position: Container[int] = (),
     ) -> torch.Tensor:
-        """Compute the next `n` pending positions of each sequence; returns `[len(work), vocab]`
-        logits at each one's last computed position. Pages must already be reserved."""
+        """Compute the next `n` pending positions of each sequence; returns logits at each one's
+        last computed position (`[len(work), vocab]`), or at all `n` of them for the indices of
+        `work` in `every_position` (prompt logprobs). Pages must already be reserved."""
         ids, positions, slices, rows = [], [], [], []
         total = 0
-        for seq, n in work:
+        for i, (seq, n) in enumerate(work):
             start, end = seq.num_computed, seq.num_computed + n
             if n <= 0 or end > len(seq.token_ids):
                 raise ValueError(f"{seq.seq_id}: cannot compute {n} positions from {start} of {len(seq.token_ids)}")
@@ -115,7 +117,7 @@ class Engine:
             positions.append(torch.arange(start, end))
             slices.append(self._slice(seq, start, end))
             total += n
-            rows.append(total - 1)
+            rows.extend(range(total - n, total) if i in every_position else [total - 1])
         batch = ForwardBatch(
             token_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions),

@@ -1,14 +1,81 @@
-"""Sampling parameters and the per-request next-token sampler."""
+"""Sampling parameters, the per-request next-token sampler and logprobs.
+
+Logprobs are of the distribution a token was drawn from: the model's log-softmax after the
+guided-decoding mask and the temperature (greedy: none), before the top-k and top-p cuts (as
+vLLM documents). Prompt logprobs are of the raw model (no mask, no temperature).
+"""
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from common.guided import Grammar, GrammarMatcher
 
 MIN_TEMPERATURE = 1e-5
 MAX_N = 16  # parallel samples per request; each one decodes as a sequence of its own
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float | None  # None: a prompt's first token, which has no context
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """A position's token and the `top` most likely tokens there, most likely first."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+def position_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: int) -> list[PositionLogprobs]:
+    """`logprobs` `[T, vocab]` (log-softmaxed) -> each row's entry for `tokens[row]` and its
+    `top_n` most likely tokens (fewer where fewer are possible: masked tokens are left out)."""
+    picked = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    top_values, top_ids = (logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], logprobs[:, :0]))
+    out = []
+    for token, lp, values, ids in zip(tokens, picked, top_values.tolist(), top_ids.long().tolist()):
+        top = tuple(TokenLogprob(i, v) for i, v in zip(ids, values) if v != float("-inf"))
+        out.append(PositionLogprobs(TokenLogprob(token, lp), top))
+    return out
+
+
+class PromptLogprobs:
+    """A prompt's logprobs, gathered as its chunks are computed (its first token has none)."""
+
+    def __init__(self, prompt: list[int], top_n: int) -> None:
+        self.prompt = prompt
+        self.top_n = top_n
+        self.entries = [PositionLogprobs(TokenLogprob(prompt[0], None))]
+
+    @property
+    def done(self) -> bool:
+        return len(self.entries) == len(self.prompt)
+
+    def add(self, logits: torch.Tensor, start: int) -> None:
+        """`logits` `[n, vocab]` computed at positions `[start, start + n)`: row j predicts the
+        token at `start + 1 + j`. Positions scored before (a recomputed chunk) are skipped."""
+        first = len(self.entries)
+        if start >= first:
+            raise RuntimeError(f"prompt positions {first}..{start} were never computed here")
+        lo, hi = first - 1 - start, min(len(self.prompt) - 1 - start, logits.shape[0])
+        if lo < hi:
+            rows = logits[lo:hi].float().log_softmax(-1)
+            self.entries.extend(position_logprobs(rows, self.prompt[first : first + hi - lo], self.top_n))
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A drawn token, with its logprobs when the request asked for them."""
+
+    token: int
+    logprobs: PositionLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -22,11 +89,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # parallel samples sharing the prompt's KV
+    logprobs: bool = False  # each drawn token's logprob
+    top_logprobs: int = 0  # with logprobs: this many most likely tokens too
+    prompt_logprobs: int | None = None  # set: the prompt's logprobs, with this many most likely tokens
+    guided: Grammar | None = None  # structured output: each sample walks it with its own matcher
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError with a message a caller can act on."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0 = only compute the prompt), got {self.max_tokens}")
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:  # dividing the logits by it would overflow
@@ -42,6 +113,14 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N} parallel samples, got {self.n}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be set")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
+        if self.guided is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with guided decoding: EOS ends a completed grammar")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of parallel sample `index`. With a seed, sample i draws exactly the
@@ -57,9 +136,12 @@ class Sampler:
     seed: int = field(init=False)
     # Made at the first random draw, on the logits' device (a CUDA draw needs a CUDA generator).
     generator: torch.Generator | None = field(init=False, default=None)
+    matcher: GrammarMatcher | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        if self.params.guided is not None:
+            self.matcher = self.params.guided.matcher()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
@@ -67,12 +149,24 @@ class Sampler:
             self.generator.manual_seed(self.seed)
         return self.generator
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """`logits` is `[vocab]` fp32."""
+    def draw(self, logits: torch.Tensor) -> Draw:
+        """The next token from `logits` (`[vocab]` fp32), within the grammar if there is one."""
         p = self.params
-        if p.temperature == 0.0:
-            return int(logits.argmax())
-        logits = logits / p.temperature
+        if self.matcher is not None:
+            allowed = self.matcher.allowed(logits.numel()).to(logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        if p.temperature != 0.0:
+            logits = logits / p.temperature
+        token = int(logits.argmax()) if p.temperature == 0.0 else self._sample(logits)
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        if not p.logprobs:
+            return Draw(token)
+        return Draw(token, position_logprobs(logits.log_softmax(-1)[None], [token], p.top_logprobs)[0])
+
+    def _sample(self, logits: torch.Tensor) -> int:
+        """A random draw from temperature-scaled `logits` after the top-k and top-p cuts."""
+        p = self.params
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -12,6 +12,11 @@ the n samples draws its first token from the same logits, then decodes as a sequ
 (preempted, recomputed and finished on its own). A sample's tokens are the prompt plus its own
 output, so it can always be recomputed. The n samples share one output stream (chunks carry the
 sample's index); it ends after the last sample finishes.
+
+Prompt logprobs (`prompt_logprobs`): such a request computes its whole prompt here, never from
+the prefix cache (cached positions have no logits), and every position of its prompt chunks
+yields logits; they come back in the request's first chunk. `max_tokens` 0 ends the request
+once its prompt is computed, without drawing a token.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.engine import Engine, Sequence
 from common.engine_loop import EngineLoop
 from common.page_allocator import OutOfPages
-from common.sampling import Sampler, SamplingParams
+from common.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.tokenizer import Tokenizer
 from common.tracing import Tracer
 
@@ -52,6 +57,8 @@ class Chunk:
     error_code: str | None = None
     error: str | None = None
     index: int = 0
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token, when the request asked for them
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # in the request's first chunk, when asked
 
     @property
     def final(self) -> bool:
@@ -71,6 +78,17 @@ class _Group:
     unforked: bool = False  # samples 1..n-1 are still to fork from sample 0
     running: int = 1  # samples not finished
     completion_tokens: int = 0  # of the finished samples
+    prompt_logprobs: PromptLogprobs | None = None  # gathered while the prompt is computed, then sent once
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether the prompt is still being computed with logits at every position."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.done
+
+    def take_prompt_logprobs(self) -> tuple[PositionLogprobs, ...]:
+        """The prompt's logprobs for the first chunk sent (nothing for later ones)."""
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return tuple(scored.entries) if scored is not None and scored.done else ()
 
 
 @dataclass(eq=False)  # compared by identity: two samples may hold equal fields
@@ -125,6 +143,9 @@ class Scheduler(EngineLoop):
     def submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
         """Queue `seq` (its first `num_computed` positions already in the pool) for generation."""
         group = _Group(request_id, params, len(seq.token_ids), seq.num_cached, unforked=params.n > 1)
+        if params.prompt_logprobs is not None:
+            assert seq.num_computed == 0, "prompt logprobs need the whole prompt computed here"
+            group.prompt_logprobs = PromptLogprobs(list(seq.token_ids), params.prompt_logprobs)
         r = self._sample(group, 0, seq)
         with self._wakeup:
             if self._stopped:
@@ -175,8 +196,9 @@ class Scheduler(EngineLoop):
         if not work:
             time.sleep(0.001)
             return
+        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt}
         try:
-            logits = self.engine.forward([(r.seq, n) for r, n in work])
+            logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)
         except Exception as exc:  # a bug or a bad model state must not kill the daemon
             log.exception("forward failed")
             with self.lock:
@@ -184,15 +206,26 @@ class Scheduler(EngineLoop):
                     self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
             return
         with self.lock:
-            for (r, _), row in zip(work, logits):
+            at = 0
+            for i, (r, n) in enumerate(work):
+                rows = logits[at : at + (n if i in scoring else 1)]
+                at += len(rows)
                 self.engine.trim_to_window(r.seq)
                 if r.seq.num_pending == 0 and r in self._active:
                     try:
+                        if i in scoring:
+                            r.group.prompt_logprobs.add(rows, r.seq.num_computed - n)
+                        if r.params.max_tokens == 0:
+                            r.group.unforked = False
+                            self._finish(r, [], "", "length")
+                            continue
                         for sample in [r, *self._fork_samples(r)]:
-                            self._emit_token(sample, sample.sampler.sample(row))
+                            self._emit_token(sample, sample.sampler.draw(rows[-1]))
                     except Exception as exc:  # one request's bad sample must not stop the loop
                         log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
                         self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+                elif i in scoring:
+                    r.group.prompt_logprobs.add(rows, r.seq.num_computed - n)
 
     def _apply_aborts(self) -> None:
         for r in [r for r in self._active if r.request_id in self._aborts]:
@@ -217,7 +250,7 @@ class Scheduler(EngineLoop):
                 break
             if r not in self._active:
                 continue
-            if not r.seq.pages:  # preempted earlier
+            if not r.seq.pages and not r.group.scoring_prompt:  # preempted earlier
                 self.engine.attach_cached_prefix(r.seq)
                 n = min(r.seq.num_pending, budget)
             if self._reserve(r, n, work, preempt=False):
@@ -276,7 +309,9 @@ class Scheduler(EngineLoop):
         group.running += len(samples)
         return samples
 
-    def _emit_token(self, r: _Request, token: int) -> None:
+    def _emit_token(self, r: _Request, draw: Draw) -> None:
+        token = draw.token
+        logprobs = () if draw.logprobs is None else (draw.logprobs,)
         r.seq.token_ids.append(token)
         r.num_generated += 1
         if r.num_generated == 1 and r.index == 0:
@@ -290,12 +325,14 @@ class Scheduler(EngineLoop):
         elif r.num_generated >= p.max_tokens or len(r.seq.token_ids) >= self.engine.model.config.max_position_embeddings:
             reason = "length"
         if reason is None:
-            r.group.outputs.put(Chunk([token], text, index=r.index))
+            r.group.outputs.put(Chunk([token], text, index=r.index, logprobs=logprobs,
+                                      prompt_logprobs=r.group.take_prompt_logprobs()))
         else:
-            self._finish(r, [token], text + r.detok.flush(), reason)
+            self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs)
 
     def _finish(self, r: _Request, tokens: list[int], text: str, reason: str,
-                error_code: str | None = None, error: str | None = None) -> None:
+                error_code: str | None = None, error: str | None = None,
+                logprobs: tuple[PositionLogprobs, ...] = ()) -> None:
         """End one sample and free its pages (exactly once: it leaves `_active` here). The
         request's last sample to end sends the final chunk, with everyone's usage."""
         if r not in self._active:
@@ -310,7 +347,8 @@ class Scheduler(EngineLoop):
             usage = Usage(group.prompt_len, group.completion_tokens, group.cached_tokens)
             self.tracer.event(r.request_id, "finished", finish_reason=reason,
                               completion_tokens=group.completion_tokens)
-        group.outputs.put(Chunk(tokens, text, reason, usage, error_code, error, r.index))
+        group.outputs.put(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
+                                group.take_prompt_logprobs()))
 
     def _fail(self, r: _Request, code: str, message: str) -> None:
         """Fail `r`'s request: every sample of it ends with the error."""

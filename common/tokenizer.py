@@ -6,6 +6,7 @@ or a Hugging Face model directory holding `tokenizer.json`.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -127,6 +128,28 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (part of a UTF-8 character, for some tokens)."""
+        return self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+
+    def to_json(self) -> str:
+        """The Hugging Face `tokenizers` JSON of this tokenizer (what grammar engines build from)."""
+        return self._backend.to_str()
+
+    @cached_property
+    def _token_bytes(self) -> list[bytes]:
+        byte_level = isinstance(self._backend.decoder, decoders.ByteLevel)
+        table = []
+        for token_id in range(self.vocab_size):
+            piece = self.id_to_token(token_id) or ""
+            if byte_level and token_id not in self.special_token_ids and all(c in _BYTE_OF_CHAR for c in piece):
+                table.append(bytes(_BYTE_OF_CHAR[c] for c in piece))
+            elif (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+                table.append(bytes([int(byte.group(1), 16)]))
+            else:
+                table.append(self.decode([token_id]).encode())
+        return table
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a conversation to prompt text, as transformers' `apply_chat_template(tokenize=False)` does."""
         return self._compiled_chat_template.render(
@@ -144,6 +167,20 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; format the prompt yourself")
         return _chat_template_environment().from_string(self.chat_template)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte -> the byte: printable Latin-1 bytes
+    stand for themselves, the other bytes for the code points from 256 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    others = (b for b in range(256) if b not in chars)
+    chars.update((b, chr(256 + i)) for i, b in enumerate(others))
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

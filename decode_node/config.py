@@ -27,7 +27,7 @@ class DecodeNodeConfig(DaemonConfig):
     min_remote_prefill_tokens: int = 32
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
-    served_model_name: str = ""  # the model name that API answers to; "" = derived from --model
+    served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
 
     @property
     def running_cap(self) -> int:

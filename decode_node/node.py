@@ -120,11 +120,11 @@ class DecodeNode:
         return pages if window is None else min(pages, window.max_pages(self.engine.page_size))
 
     def _admitted_sequence(self, request_id: str, tokens: list[int], end: int,
-                           receiving: bool) -> tuple[Sequence, int]:
+                           receiving: bool, use_prefix_cache: bool = True) -> tuple[Sequence, int]:
         """If admission lets it start now: a sequence holding the cached prefix of `tokens` and
         pages for positions up to `end`, and the first position it needs computed elsewhere
         (`receiving`: by a writer) or here. Else NotAdmitted, with nothing held."""
-        seq = self.engine.new_sequence(request_id, tokens)
+        seq = self.engine.new_sequence(request_id, tokens, use_prefix_cache)
         try:
             begin = self.engine.receive_begin(seq, end) if receiving else seq.num_computed
             self.admission.require_fit(self.engine.pages_needed(seq, end), len(tokens))
@@ -232,6 +232,9 @@ class DecodeNode:
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
         self._check_request_id(request_id)
+        if params.prompt_logprobs is not None:
+            raise InvalidArgument("prompt_logprobs needs the whole prompt computed on the decode node: send it "
+                                  "with Generate (StartGeneration continues a prompt prefilled elsewhere)")
         with self.engine.lock:
             r = self.reservations.get(request_id)
             if r is None:
@@ -250,12 +253,15 @@ class DecodeNode:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
         when no prefill node delivers) prefill locally, reusing the prefix cache either way.
         `cancelled` tells whether the caller gave up (then nothing more is started); with
-        --admission queue it waits for room until then or the `deadline` (monotonic)."""
+        --admission queue it waits for room until then or the `deadline` (monotonic).
+        A request for prompt logprobs is computed here from its first token (module docstring
+        of common/scheduler.py)."""
         self._check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
+        scoring = params.prompt_logprobs is not None
         with self.engine.lock:
             self.admission.check_room()
-        if self.prefill_pool.healthy() and self._worth_remote(tokens):
+        if not scoring and self.prefill_pool.healthy() and self._worth_remote(tokens):
             self._handing_off.add(request_id)
             try:
                 handle = self._generate_remote(request_id, tokens, params, cancelled, deadline)
@@ -270,24 +276,25 @@ class DecodeNode:
             raise Cancelled(f"request {request_id!r} was cancelled by the client")
         with self.engine.lock:
             self._check_unused(request_id)
-            seq = self._local_sequence(request_id, tokens, cancelled, deadline)
+            seq = self._local_sequence(request_id, tokens, cancelled, deadline, use_prefix_cache=not scoring)
             self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
             self.metrics.prefix_hit_tokens.inc(seq.num_computed)
             return self.scheduler.submit(request_id, seq, params)
 
     def _local_sequence(self, request_id: str, tokens: list[int], cancelled: Callable[[], bool],
-                        deadline: float | None) -> Sequence:
+                        deadline: float | None, use_prefix_cache: bool) -> Sequence:
         """Rejecting, the scheduler queues what the pool cannot hold yet (preempting as needed).
         Queuing, the prompt's pages (a sliding window's worth at most) are admitted and reserved
         up front, so requests wait in the admission queue rather than crowd the scheduler."""
         if not self.admission.queueing:
             self.admission.check_room()
-            return self.engine.new_sequence(request_id, tokens)
+            return self.engine.new_sequence(request_id, tokens, use_prefix_cache)
         n = len(tokens)
         pages = self._footprint(n)
         end = min(n, pages * self.engine.page_size)
         seq, _ = self.admission.admit(request_id, pages, n,
-                                      lambda: self._admitted_sequence(request_id, tokens, end, receiving=False),
+                                      lambda: self._admitted_sequence(request_id, tokens, end, receiving=False,
+                                                                      use_prefix_cache=use_prefix_cache),
                                       cancelled, deadline)
         return seq
 

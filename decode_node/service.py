@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from common.errors import RequestError
+from common.guided import GrammarCompiler
 from common.prompts import prompt_token_ids
 from common.rpc_convert import chunk_to_proto, sampling_from_proto
 from common.scheduler import RequestHandle
@@ -28,6 +29,7 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
         self.metrics = node.metrics
+        self.grammars = GrammarCompiler(node.tokenizer, node.vocab_size)
 
     def _fail(self, context: grpc.ServicerContext, rpc: str, exc: RequestError):
         self.metrics.requests.labels(rpc, exc.code.name).inc()
@@ -73,7 +75,7 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         received = time.perf_counter()
         self.node.tracer.event(request.request_id, "received", rpc="StartGeneration")
         try:
-            params = sampling_from_proto(request.sampling, self.node.vocab_size)
+            params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             handle = self.node.start_generation(request.request_id, request.kv_window_begin, params)
         except RequestError as exc:
             self._fail(context, "StartGeneration", exc)
@@ -84,7 +86,7 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         self.node.tracer.event(rid, "received", rpc="Generate")
         try:
-            params = sampling_from_proto(request.sampling, self.node.vocab_size)
+            params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             tokens = prompt_token_ids(request, self.node.tokenizer)
             handle = self.node.generate(rid, tokens, params, cancelled=lambda: not context.is_active(),
                                         deadline=_deadline(context))
@@ -128,7 +130,7 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
             if chunk.finish_reason == "error":
                 self.metrics.requests.labels(rpc, chunk.error_code).inc()
                 context.abort(grpc.StatusCode[chunk.error_code], chunk.error)
-            yield chunk_to_proto(handle.request_id, chunk)
+            yield chunk_to_proto(handle.request_id, chunk, self.node.tokenizer.token_bytes)
             samples = max(samples, chunk.index + 1)
             if chunk.final:
                 per_sample = chunk.usage.completion_tokens / samples  # the samples decode side by side

@@ -225,7 +225,7 @@ def test_duplicate_unknown_and_premature_calls(node):
 @pytest.mark.parametrize("request_kwargs, fragment", [
     (dict(), "exactly one"),
     (dict(prompt="hi", token_ids=[1]), "exactly one"),
-    (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+    (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=-1)), "max_tokens"),
     (dict(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
     (dict(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
     (dict(messages=[pb.ChatMessage(role="user", content="x")], sampling=pb.SamplingParams(stop=[""])), "stop"),

@@ -205,12 +205,21 @@ def sampling_params(draw) -> pb.SamplingParams:
                 top_p=st.one_of(st.none(), st.floats(0.05, 1.0)), top_k=st.integers(0, 50),
                 seed=st.one_of(st.none(), st.integers(0, 2**32)), ignore_eos=st.booleans(),
                 stop=st.lists(text.filter(bool), max_size=2), stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2),
-                n=st.one_of(st.none(), st.integers(1, 3)))
+                n=st.one_of(st.none(), st.integers(1, 3)), logprobs=st.booleans(), top_logprobs=st.just(0),
+                prompt_logprobs=st.one_of(st.none(), st.integers(0, 3)),
+                guided=st.one_of(st.none(), st.just(pb.GuidedDecoding(choice=pb.GuidedDecoding.Choices(
+                    choices=["yes", "no"]))), st.just(pb.GuidedDecoding(regex="[a-c]{1,3}"))))
     wild = dict(max_tokens=st.one_of(int32, st.integers(-1, 0), st.just(2**31 - 1)), temperature=temperatures,
                 top_p=f32, top_k=int32, seed=int64, ignore_eos=st.booleans(),
                 stop=st.lists(st.one_of(text, st.just(""), st.just("\ufffd"), st.just("x" * 5000)), max_size=3),
                 stop_token_ids=st.lists(st.one_of(st.integers(0, VOCAB - 1), int32), max_size=3),
-                n=st.one_of(int32, st.integers(-1, 0), st.just(17)))
+                n=st.one_of(int32, st.integers(-1, 0), st.just(17)), logprobs=st.booleans(), top_logprobs=int32,
+                prompt_logprobs=int32,
+                guided=st.one_of(text.map(lambda t: pb.GuidedDecoding(regex=t)),
+                                 text.map(lambda t: pb.GuidedDecoding(json_schema=t)),
+                                 st.just(pb.GuidedDecoding(json_object=False)),
+                                 st.lists(text, max_size=3).map(lambda c: pb.GuidedDecoding(
+                                     choice=pb.GuidedDecoding.Choices(choices=c)))))
     names = sorted(sane)
     chosen = draw(st.integers(0, 9).flatmap(lambda i: st.just(set()) if i < 4 else st.sets(
         st.sampled_from(names), min_size=1, max_size=2 if i < 8 else len(names))))
@@ -337,6 +346,7 @@ def test_generate(nodes, data, sampling):
             assert started == kwargs.get("request_id") or "request_id" not in kwargs or not kwargs["request_id"]
             assert all(0 <= t < VOCAB for c in chunks for t in c.token_ids)
             assert all(0 <= c.index < _samples(sampling) for c in chunks)
+            assert all(len(c.logprobs) == (len(c.token_ids) if sampling.logprobs else 0) for c in chunks)
     finally:
         if started:
             abort(nodes, started)

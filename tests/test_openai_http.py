@@ -86,7 +86,15 @@ def test_request_mapping():
     (Endpoint.COMPLETIONS, {"prompt": ""}, "prompt"),
     (Endpoint.COMPLETIONS, {"prompt": [1, "x"]}, "prompt"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "best_of": 3}, "best_of"),
-    (Endpoint.COMPLETIONS, {"prompt": "x", "logprobs": 1}, "logprobs"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "no_such_field": 1}, "no_such_field"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format.type"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}],
+                     "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "temperature": True}, "temperature"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
@@ -167,8 +175,11 @@ def test_chat_completion_plain_and_streamed(pair, model_name, hf_model, tokenize
 
 def test_bad_requests_are_400_and_the_daemon_keeps_serving(pair, model_name, tokenizer):
     dn, _, front = pair
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        front.client.completions.create(model=model_name, prompt=PROMPT, echo=True)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        front.client.completions.create(model=model_name, prompt=PROMPT, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="not a usable grammar"):  # the node compiles it
+        front.client.chat.completions.create(model=model_name, messages=MESSAGES, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):  # the node's INVALID_ARGUMENT
         front.client.completions.create(model=model_name, prompt=[1, 10**7], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="one prompt per request"):
@@ -282,7 +293,7 @@ def test_chunked_request_bodies_are_refused_and_the_connection_closed(pair):
 
 
 def test_router_serves_the_same_api(pair, tmp_path, model_name):
-    dn, pn, _ = pair
+    dn, pn, direct_front = pair
     port = free_port()
     with router(tmp_path, "--decode", dn.address, "--prefill", pn.address, "--poll-seconds", "0.2",
                 "--openai-port", str(port)):
@@ -294,6 +305,13 @@ def test_router_serves_the_same_api(pair, tmp_path, model_name):
                                                   temperature=0, stream=True)
         request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=greedy())
         assert "".join(e.choices[0].delta.content or "" for e in streamed) == grpc_generate(dn.stub, request)[0]
+        # Prompt logprobs: the router sends such a request to the decode node's Generate (computed there).
+        scored = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+        direct = direct_front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True,
+                                                        logprobs=0)
+        assert scored.choices[0].text == PROMPT and scored.choices[0].logprobs.token_logprobs[0] is None
+        assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+            direct.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
 
 
 

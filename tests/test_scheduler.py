@@ -5,6 +5,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from common.engine import Engine
 from common.sampling import SamplingParams
@@ -145,7 +146,10 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(make_scheduler, m
 
 
 @pytest.mark.parametrize("bad, message", [
-    (SamplingParams(max_tokens=0), "max_tokens"),
+    (SamplingParams(max_tokens=-1), "max_tokens"),
+    (SamplingParams(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (SamplingParams(top_logprobs=2), "top_logprobs needs logprobs"),
+    (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
     (SamplingParams(temperature=-1), "temperature"),
     (SamplingParams(top_p=0), "top_p"),
     (SamplingParams(top_k=-2), "top_k"),
@@ -164,7 +168,7 @@ def test_parallel_samples_prefill_once_and_each_equals_a_solo_run(model, make_sc
     s = make_scheduler()
     computed = []
     forward = s.engine.forward
-    s.engine.forward = lambda work, *a: computed.append(sum(n for _, n in work)) or forward(work, *a)
+    s.engine.forward = lambda work, *a, **k: computed.append(sum(n for _, n in work)) or forward(work, *a, **k)
     h = s.submit("n3", s.engine.new_sequence("n3", prompt), SamplingParams(max_tokens=8, ignore_eos=True, n=3))
     tokens, reasons, last = collect_samples(h)
     assert tokens == {0: want, 1: want, 2: want} and reasons == {0: "length", 1: "length", 2: "length"}
@@ -200,4 +204,50 @@ def test_abort_ends_every_sample_and_frees_their_pages(make_scheduler):
     assert s.num_active() == 1 and s.abort("a3")
     _, reasons, last = collect_samples(h)
     assert reasons == {0: "abort", 1: "abort", 2: "abort"} and last.usage.completion_tokens >= 3
+    _assert_no_leak(s)
+
+
+def test_prompt_logprobs_over_chunks_and_a_cached_prefix_equal_transformers(make_scheduler, hf_model):
+    """Prompt logprobs computed in 8-token chunks, although a cached prefix of the prompt exists,
+    equal transformers' log-softmax at every position; max_tokens 0 then draws nothing."""
+    prompt = _ids(30, 7)
+    s = make_scheduler(page_size=4, max_batch_tokens=8)
+    collect(s.submit("warm", s.engine.new_sequence("warm", prompt), SamplingParams(max_tokens=1)))
+    seq = s.engine.new_sequence("p", prompt, use_prefix_cache=False)
+    tokens, _, last = collect(s.submit("p", seq, SamplingParams(max_tokens=0, prompt_logprobs=3)))
+    assert tokens == [] and last.finish_reason == "length" and last.usage.completion_tokens == 0
+    with torch.inference_mode():
+        want = hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    got = last.prompt_logprobs
+    assert [p.token.token_id for p in got] == prompt and got[0].token.logprob is None and got[0].top == ()
+    for position, entry in enumerate(got[1:], start=1):
+        row = want[position - 1]
+        assert abs(entry.token.logprob - float(row[prompt[position]])) < 1e-4
+        assert [t.token_id for t in entry.top] == row.topk(3).indices.tolist()
+    _assert_no_leak(s)
+
+
+def test_drawn_token_logprobs_follow_the_tempered_distribution(make_scheduler, model):
+    """Greedy logprobs are the raw log-softmax's; sampled ones (top_k cuts nothing from them) use
+    the temperature; top_logprobs are the most likely tokens, most likely first."""
+    prompt = _ids(12, 3)
+    s = make_scheduler()
+    for temperature in (0.0, 0.7):
+        params = SamplingParams(max_tokens=4, temperature=temperature, top_k=5, seed=3, logprobs=True,
+                                top_logprobs=2, ignore_eos=True)
+        handle = s.submit(f"t{temperature}", s.engine.new_sequence(f"t{temperature}", prompt, False), params)
+        chunks = []
+        while not chunks or not chunks[-1].final:
+            chunks.append(handle.next_chunk(timeout=120))
+        tokens = [t for c in chunks for t in c.token_ids]
+        entries = [e for c in chunks for e in c.logprobs]
+        engine = Engine(model, 8, 16)
+        ref = engine.new_sequence("ref", prompt + tokens, use_prefix_cache=False)
+        engine.reserve(ref, len(ref.token_ids))
+        logits = engine.forward([(ref, len(ref.token_ids))], every_position={0})[len(prompt) - 1 : -1]
+        want = (logits / (temperature or 1.0)).log_softmax(-1)
+        assert [e.token.token_id for e in entries] == tokens
+        for e, row, token in zip(entries, want, tokens):
+            assert abs(e.token.logprob - float(row[token])) < 1e-4
+            assert [t.token_id for t in e.top] == row.topk(2).indices.tolist()
     _assert_no_leak(s)

@@ -133,9 +133,9 @@ def test_decode_releases_pages_outside_the_window(mistral_dir, hf):
     held: list[int] = []
     forward = engine.forward
 
-    def recording_forward(work, on_layer_done=None):
+    def recording_forward(work, on_layer_done=None, **options):
         held.extend(len(seq.held_pages) for seq, n in work if n == 1)
-        return forward(work, on_layer_done)
+        return forward(work, on_layer_done, **options)
 
     engine.forward = recording_forward
     scheduler = Scheduler(engine, load_tokenizer(mistral_dir), max_batch_tokens=24)

@@ -100,6 +100,19 @@ def test_decode(tok, ref, text):
     assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
 
 
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_token_bytes_spell_the_text(tok, ref, text):
+    """Each token's bytes (pieces of a character for some) concatenate to the text's UTF-8, and
+    a token that decodes to whole characters is exactly those characters' bytes."""
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    for i in ids:
+        single = ref.decode([i])
+        if "\ufffd" not in single:
+            assert tok.token_bytes(i) == single.encode()
+
+
 CONVERSATIONS = {
     "no_system": [{"role": "user", "content": "Hi there"}],
     "system": [

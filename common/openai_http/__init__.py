@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,9 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--openai-port", type=int, default=None, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port, 0 = any free port (default: off)")
-    parser.add_argument("--served-model-name", default="", metavar="NAME",
-                        help="the model name the HTTP API answers to (default: derived from --model)")
+    parser.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                        help="a model name the HTTP API answers to (repeatable: aliases; the first is the one "
+                        "/v1/models lists and answers report; default: derived from --model)")
 
 
 def served_model_name(model: Path) -> str:
@@ -44,18 +46,19 @@ def served_model_name(model: Path) -> str:
     return _QUANT_SUFFIX.sub("", model.stem)
 
 
-def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_name: str,
+def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_names: Sequence[str] | str,
                         model: Path | None) -> OpenAIFront:
     """Bind the HTTP port now and have `daemon` serve it alongside gRPC, calling its own
     `Generate` over a loopback channel. With TLS on, the loopback presents the daemon's
     certificate and the front serves HTTPS with it, requiring client certificates signed by
     the CA when there is one (as the gRPC port does).
-    `served_name` "" answers to the name of `model` (None = the embedded default model)."""
+    No `served_names` answers to the name of `model` (None = the embedded default model)."""
     host = daemon.address.rsplit(":", 1)[0]
     loopback = "127.0.0.1" if host in _WILDCARD_HOSTS else host
     stub = duet_pb2_grpc.DecodeNodeStub(tls.channel(f"{loopback}:{daemon.port}"))
-    name = served_name or served_model_name(model or default_model_path())
-    front = OpenAIFront(host, port, name, stub, https_context(tls) if tls.enabled else None)
+    names = (served_names,) if isinstance(served_names, str) else tuple(served_names)  # a config file's string
+    names = tuple(n for n in names if n) or (served_model_name(model or default_model_path()),)
+    front = OpenAIFront(host, port, names, stub, https_context(tls) if tls.enabled else None)
     daemon.add_front(front)
     return front
 

@@ -1,10 +1,12 @@
 """An OpenAI completions / chat completions request body -> a duet.v1.GenerateRequest.
 
-Fields that would change the answer but that duet cannot honour (echo, logprobs, penalties,
-tools, ...) are refused with a 400 naming the field rather than silently ignored.
+Every field a request may carry is in `FIELDS`: it is honoured, or refused with a 400 naming it
+unless it holds a value that asks for nothing (e.g. `presence_penalty: 0`); a field that is not
+listed there is refused too, so no field is ever silently ignored.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from http import HTTPStatus
 from typing import Any
 
 from common.openai_http.api_errors import ApiError
-from common.sampling import MAX_N
+from common.sampling import MAX_N, MAX_TOP_LOGPROBS
 from protos.duet.v1 import duet_pb2 as pb
 
 # OpenAI's defaults where they differ from SamplingParams' own.
@@ -22,20 +24,36 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Chat without a limit generates until EOS or the model's context is full (the node stops there).
 CHAT_DEFAULT_MAX_TOKENS = 2**31 - 1
 
-_NEUTRAL_ZERO = (None, 0)
-_UNSUPPORTED_COMPLETION = {"echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
-                           "logit_bias": (None, {}), "presence_penalty": _NEUTRAL_ZERO,
-                           "frequency_penalty": _NEUTRAL_ZERO}
-_UNSUPPORTED_CHAT = {"logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}),
-                     "presence_penalty": _NEUTRAL_ZERO, "frequency_penalty": _NEUTRAL_ZERO,
-                     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                     "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
-                     "prediction": (None,)}
-
 
 class Endpoint(Enum):
     COMPLETIONS = "text_completion"
     CHAT = "chat.completion"
+
+
+HONOURED = None  # a FIELDS entry: the field is read and acted on
+_ZERO = (None, 0)
+_NOTHING = (None,)
+_ANY_TEXT = "any string"  # an identifier for the caller's records (no effect on the answer)
+# Every field of each endpoint -> HONOURED, _ANY_TEXT, or the values that ask for nothing (refused otherwise).
+_COMMON_FIELDS: dict[str, Any] = {
+    "model": HONOURED, "n": HONOURED, "stream": HONOURED, "stream_options": HONOURED, "max_tokens": HONOURED,
+    "temperature": HONOURED, "top_p": HONOURED, "seed": HONOURED, "stop": HONOURED, "logprobs": HONOURED,
+    "response_format": HONOURED, "user": _ANY_TEXT,
+    "top_k": HONOURED, "ignore_eos": HONOURED,  # vLLM extensions that standard benchmarks send
+    "logit_bias": (None, {}), "presence_penalty": _ZERO, "frequency_penalty": _ZERO,
+}
+_COMPLETION_ONLY: dict[str, Any] = {"prompt": HONOURED, "echo": HONOURED, "best_of": HONOURED, "suffix": (None, "")}
+_CHAT_ONLY: dict[str, Any] = {
+    "messages": HONOURED, "max_completion_tokens": HONOURED, "top_logprobs": HONOURED,
+    "safety_identifier": _ANY_TEXT, "prompt_cache_key": _ANY_TEXT,  # the prefix cache needs no hint
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none"), "audio": _NOTHING, "modalities": (None, ["text"]),
+    "prediction": _NOTHING, "reasoning_effort": _NOTHING, "verbosity": _NOTHING, "web_search_options": _NOTHING,
+    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "moderation": _NOTHING, "prompt_cache_options": _NOTHING, "prompt_cache_retention": _NOTHING,
+}
+FIELDS: dict[Endpoint, dict[str, Any]] = {Endpoint.COMPLETIONS: {**_COMMON_FIELDS, **_COMPLETION_ONLY},
+                                          Endpoint.CHAT: {**_COMMON_FIELDS, **_CHAT_ONLY}}
 
 
 @dataclass(frozen=True)
@@ -47,22 +65,26 @@ class MappedRequest:
     n: int
     stream: bool
     include_usage: bool
+    logprobs: bool = False  # the answer carries the generated tokens' logprobs
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, with logprobs)
 
     @property
     def request_id(self) -> str:
         return self.generate.request_id
 
 
-def map_request(endpoint: Endpoint, body: Any, served_model: str) -> MappedRequest:
-    """Validate `body` (parsed JSON) and translate it; ApiError says what is wrong."""
+def map_request(endpoint: Endpoint, body: Any, served_models: str | tuple[str, ...]) -> MappedRequest:
+    """Validate `body` (parsed JSON) and translate it; ApiError says what is wrong. The body's
+    `model` must be one of `served_models` (its names and aliases)."""
     if not isinstance(body, dict):
         raise ApiError.invalid("the request body must be a JSON object")
+    served = (served_models,) if isinstance(served_models, str) else served_models
     model = _get(body, "model", str)
-    if model is not None and model != served_model:
+    if model is not None and model not in served:
         raise ApiError(HTTPStatus.NOT_FOUND, f"the model '{model}' does not exist; this server serves "
-                       f"'{served_model}'", param="model", code="model_not_found")
+                       f"{', '.join(repr(m) for m in served)}", param="model", code="model_not_found")
     chat = endpoint is Endpoint.CHAT
-    _refuse_unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
+    _refuse_unsupported(body, FIELDS[endpoint])
     n = _get(body, "n", int, 1, check=lambda v: 1 <= v <= MAX_N, need=f"an integer from 1 to {MAX_N}")
     if not chat:
         best_of = _get(body, "best_of", int)
@@ -82,21 +104,25 @@ def map_request(endpoint: Endpoint, body: Any, served_model: str) -> MappedReque
         request.sampling.CopyFrom(_sampling(body, chat, n))
     except (ValueError, TypeError) as exc:  # a number outside the protobuf field's range
         raise ApiError.invalid(f"a sampling value is out of range: {exc}") from None
-    return MappedRequest(endpoint, request, n, stream, include_usage)
+    echo = not chat and _get(body, "echo", bool, False)
+    if echo and (request.sampling.logprobs or request.token_ids):  # the prompt's tokens (and text) come from the node
+        request.sampling.prompt_logprobs = request.sampling.top_logprobs
+    return MappedRequest(endpoint, request, n, stream, include_usage, request.sampling.logprobs, echo)
 
 
 def _sampling(body: dict, chat: bool, n: int) -> pb.SamplingParams:
-    max_tokens = _get(body, "max_tokens", int)
+    nonnegative = {"check": lambda v: v >= 0, "need": "an integer >= 0"}
+    max_tokens = _get(body, "max_tokens", int, **nonnegative)
     if chat:
-        max_tokens = _get(body, "max_completion_tokens", int, max_tokens)
+        max_tokens = _get(body, "max_completion_tokens", int, max_tokens, **nonnegative)
     if max_tokens is None:
         max_tokens = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
     params = pb.SamplingParams(
         max_tokens=max_tokens,
         temperature=_get(body, "temperature", float, DEFAULT_TEMPERATURE),
         top_p=_get(body, "top_p", float, 1.0),
-        top_k=_get(body, "top_k", int, 0),  # a vLLM extension standard benchmarks send
-        ignore_eos=_get(body, "ignore_eos", bool, False),  # likewise
+        top_k=_get(body, "top_k", int, 0),
+        ignore_eos=_get(body, "ignore_eos", bool, False),
         stop=_stop_strings(body),
     )
     seed = _get(body, "seed", int)
@@ -104,7 +130,50 @@ def _sampling(body: dict, chat: bool, n: int) -> pb.SamplingParams:
         params.seed = seed
     if n != 1:
         params.n = n
+    _set_logprobs(params, body, chat)
+    guided = _guided(body)
+    if guided is not None:
+        params.guided.CopyFrom(guided)
     return params
+
+
+_TOP_RANGE = {"check": lambda v: 0 <= v <= MAX_TOP_LOGPROBS, "need": f"an integer from 0 to {MAX_TOP_LOGPROBS}"}
+
+
+def _set_logprobs(params: pb.SamplingParams, body: dict, chat: bool) -> None:
+    """Chat: `logprobs` (bool) and `top_logprobs` (int); completions: `logprobs` (int, how many
+    most likely tokens per position)."""
+    if chat:
+        params.logprobs = _get(body, "logprobs", bool, False)
+        params.top_logprobs = _get(body, "top_logprobs", int, 0, **_TOP_RANGE)
+        if params.top_logprobs and not params.logprobs:
+            raise ApiError.invalid("top_logprobs needs logprobs to be true", param="top_logprobs")
+        return
+    top = _get(body, "logprobs", int, None, **_TOP_RANGE)
+    if top is not None:
+        params.logprobs = True
+        params.top_logprobs = top
+
+
+def _guided(body: dict) -> pb.GuidedDecoding | None:
+    """`response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema"}}."""
+    response_format = _get(body, "response_format", dict)
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return pb.GuidedDecoding(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError.invalid("response_format.json_schema.schema must be a JSON Schema object",
+                                   param="response_format.json_schema.schema")
+        return pb.GuidedDecoding(json_schema=json.dumps(schema))
+    raise ApiError.invalid("response_format.type must be 'text', 'json_object' or 'json_schema'",
+                           param="response_format.type")
 
 
 def _set_prompt(request: pb.GenerateRequest, body: dict) -> None:
@@ -163,10 +232,20 @@ def _stop_strings(body: dict) -> list[str]:
     raise ApiError.invalid("stop must be a string or a list of strings", param="stop")
 
 
-def _refuse_unsupported(body: dict, unsupported: dict[str, tuple]) -> None:
-    for name, neutral in unsupported.items():
-        if name in body and body[name] not in neutral:
-            raise ApiError.invalid(f"'{name}' is not supported by this server", param=name)
+def _refuse_unsupported(body: dict, fields: dict[str, Any]) -> None:
+    for name, value in body.items():
+        if name not in fields:
+            raise ApiError.invalid(f"unknown field '{name}': this server does not support it", param=name)
+        treatment = fields[name]
+        if treatment is _ANY_TEXT:
+            _get(body, name, str)
+        elif treatment is not HONOURED and value not in treatment:
+            raise ApiError.invalid(f"'{name}' is not supported by this server (only {_neutral(treatment)})",
+                                   param=name)
+
+
+def _neutral(values: tuple) -> str:
+    return " or ".join("null" if v is None else json.dumps(v) for v in values)
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object"}

@@ -11,17 +11,20 @@ from collections.abc import Iterable, Iterator
 from http import HTTPStatus
 
 from common.openai_http.api_errors import ApiError
+from common.openai_http.logprob_shaping import CompletionLogprobs, chat_logprobs
 from common.openai_http.request_mapping import Endpoint, MappedRequest
 from protos.duet.v1 import duet_pb2 as pb
 
 
 class Choices:
-    """Demultiplexes chunks into per-choice text, finish reason and usage."""
+    """Demultiplexes chunks into per-choice text, logprobs, finish reason and usage."""
 
     def __init__(self, n: int) -> None:
         self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.logprobs: list[list[pb.PositionLogprobs]] = [[] for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
         self.node_usage = pb.Usage()
+        self.prompt_logprobs: list[pb.PositionLogprobs] = []  # every choice shares the prompt
 
     def add(self, chunk: pb.GenerationChunk) -> None:
         n = len(self.texts)
@@ -29,6 +32,8 @@ class Choices:
             raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR,
                            f"the node sent a chunk for sample {chunk.index} of a request for {n}")
         self.texts[chunk.index].append(chunk.text)
+        self.logprobs[chunk.index].extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason:
             self.finish_reasons[chunk.index] = chunk.finish_reason
         if chunk.HasField("usage"):
@@ -56,6 +61,14 @@ class ResponseShaper:
         self.created = int(time.time())
         self.choices = Choices(request.n)
 
+    @property
+    def echo_text(self) -> str:
+        """The prompt as text: as sent, or (token ids) the text of its tokens, which the node
+        returned as prompt logprobs."""
+        if self.request.generate.prompt:
+            return self.request.generate.prompt
+        return b"".join(p.token.token_bytes for p in self.choices.prompt_logprobs).decode("utf-8", "replace")
+
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
@@ -71,11 +84,17 @@ class ResponseShaper:
     def _final_choice(self, index: int) -> dict:
         text = self.choices.text(index)
         choice: dict = {"index": index}
+        logprobs = None
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.request.logprobs:
+                logprobs = chat_logprobs(self.choices.logprobs[index])
         else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=self.choices.finish_reasons[index])
+            choice["text"] = self.echo_text + text if self.request.echo else text
+            if self.request.logprobs:
+                echoed = self.choices.prompt_logprobs if self.request.echo else []
+                logprobs = CompletionLogprobs().shape([*echoed, *self.choices.logprobs[index]])
+        choice.update(logprobs=logprobs, finish_reason=self.choices.finish_reasons[index])
         return choice
 
     def stream(self, chunks: Iterable[pb.GenerationChunk]) -> Iterator[dict]:
@@ -83,13 +102,24 @@ class ResponseShaper:
         if self.chat:  # OpenAI opens each choice with the assistant role
             for i in range(self.request.n):
                 yield self._stream_chunk(i, {"delta": {"role": "assistant", "content": ""}}, None)
-        for chunk in chunks:
+        shapers = [CompletionLogprobs() for _ in range(self.request.n)]
+        for position, chunk in enumerate(chunks):
             self.choices.add(chunk)
-            if chunk.text or chunk.finish_reason:
+            if self.request.echo and position == 0:  # each choice opens with the prompt
+                for i in range(self.request.n):
+                    echoed = {"text": self.echo_text}
+                    if self.request.logprobs:
+                        echoed["logprobs"] = shapers[i].shape(self.choices.prompt_logprobs)
+                    yield self._stream_chunk(i, echoed, None)
+            if chunk.text or chunk.finish_reason or chunk.logprobs:
                 if self.chat:
                     choice = {"delta": {"content": chunk.text} if chunk.text else {}}
+                    if self.request.logprobs:
+                        choice["logprobs"] = chat_logprobs(chunk.logprobs)
                 else:
                     choice = {"text": chunk.text}
+                    if self.request.logprobs:
+                        choice["logprobs"] = shapers[chunk.index].shape(chunk.logprobs)
                 yield self._stream_chunk(chunk.index, choice, chunk.finish_reason or None)
         if self.request.include_usage:
             body = self._envelope(self._stream_object, [])
@@ -101,8 +131,9 @@ class ResponseShaper:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _stream_chunk(self, index: int, content: dict, finish_reason: str | None) -> dict:
-        """One event: `content` is the choice's `delta` (chat) or `text` (completions) entry."""
-        choice = {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
+        """One event: `content` is the choice's `delta` (chat) or `text` (completions) entry, and
+        its `logprobs` if any."""
+        choice = {"index": index, "logprobs": None, **content, "finish_reason": finish_reason}
         body = self._envelope(self._stream_object, [choice])
         if self.request.include_usage:
             body["usage"] = None  # as OpenAI does: only the last event carries usage

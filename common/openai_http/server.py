@@ -43,13 +43,14 @@ class ClientGone(Exception):
 
 
 class OpenAIFront:
-    """Serves the OpenAI API for `model_name` by calling `stub.Generate`, over HTTPS with
-    `ssl_context`. The port is bound at construction (a taken port fails fast); `start` begins
-    serving in a background thread."""
+    """Serves the OpenAI API for the model named `model_names` (a name, or a name and its
+    aliases) by calling `stub.Generate`, over HTTPS with `ssl_context`. The port is bound at
+    construction (a taken port fails fast); `start` begins serving in a background thread."""
 
-    def __init__(self, host: str, port: int, model_name: str, stub: duet_pb2_grpc.DecodeNodeStub,
+    def __init__(self, host: str, port: int, model_names: str | tuple[str, ...], stub: duet_pb2_grpc.DecodeNodeStub,
                  ssl_context: ssl.SSLContext | None = None) -> None:
-        self.model_name = model_name
+        self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
+        self.model_name = self.model_names[0]
         self.stub = stub
         self.created = int(time.time())
         self._http = _HttpServer((host, port), _Handler)
@@ -72,10 +73,10 @@ class OpenAIFront:
         self._http.server_close()
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_entry()]}
+        return {"object": "list", "data": [self.model_entry(name) for name in self.model_names]}
 
-    def model_entry(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "duet"}
+    def model_entry(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "duet"}
 
 
 class _HttpServer(ThreadingHTTPServer):
@@ -142,8 +143,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path.rstrip("/")
         if path == "/v1/models":
             self._send_json(HTTPStatus.OK, self.front.models())
-        elif path == f"/v1/models/{self.front.model_name}":
-            self._send_json(HTTPStatus.OK, self.front.model_entry())
+        elif path.startswith("/v1/models/") and path[len("/v1/models/"):] in self.front.model_names:
+            self._send_json(HTTPStatus.OK, self.front.model_entry(path[len("/v1/models/"):]))
         elif path.startswith("/v1/models/"):
             self._send_error(ApiError(HTTPStatus.NOT_FOUND, f"the model '{path[len('/v1/models/'):]}' does not "
                                       "exist", param="model", code="model_not_found"))
@@ -158,7 +159,7 @@ class _Handler(BaseHTTPRequestHandler):
             if endpoint is None:
                 self._not_found(path)
                 return
-            request = map_request(endpoint, body, self.front.model_name)
+            request = map_request(endpoint, body, self.front.model_names)
         except ApiError as exc:
             self._send_error(exc)
             return

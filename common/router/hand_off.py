@@ -53,7 +53,9 @@ class Router:
         dn = self.pick_decode()
         dn.in_flight += 1
         try:
-            if self.prefill.healthy() and len(tokens) - 1 >= self.min_remote_prefill_tokens:
+            # A request for prompt logprobs is computed whole on the decode node (its Generate).
+            remote = not request.sampling.HasField("prompt_logprobs")
+            if remote and self.prefill.healthy() and len(tokens) - 1 >= self.min_remote_prefill_tokens:
                 stream = self._hand_off(dn, rid, tokens, request.sampling)
                 if stream is not None:
                     self.routed.labels("remote").inc()
