@@ -56,10 +56,10 @@ def main() -> int:
         with prefill_node(tmp, "--threads", "1", cpus={0}) as pn, \
                 decode_node(tmp, "--threads", "1", "--prefill", pn.address, "--min-remote-prefill-tokens", "64",
                             cpus={1}) as dn:
-            disagg = run_benchmark(BenchmarkConfig(target=dn.address, **config))
+            disagg = run_benchmark(BenchmarkConfig(target=dn.address, label="disaggregated", **config))
         print("colocated: one decode node on both cores ...", flush=True)
         with decode_node(tmp, "--threads", "2") as dn:
-            colocated = run_benchmark(BenchmarkConfig(target=dn.address, **config))
+            colocated = run_benchmark(BenchmarkConfig(target=dn.address, label="colocated", **config))
     print(format_table(disagg, colocated))
     tpot = disagg.summary.tpot_ms.p99 / colocated.summary.tpot_ms.p99
     goodput = disagg.summary.goodput / colocated.summary.goodput if colocated.summary.goodput else float("inf")
