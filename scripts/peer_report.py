@@ -54,6 +54,11 @@ def format_table(records: list[dict]) -> str:
                 lines.append(f"{'':<16}{'  duet / vLLM':<22}{'':>8}"
                              + "".join(f"{_ratio(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
     lines.append("-" * len(head))
+    same = [f"{system} {sum(r['same_text_as_vllm'] for r in rows)}/{sum(r['completed'] for r in rows)}"
+            for system in dict.fromkeys(r["system"] for r in records)
+            if (rows := [r for r in records if r["system"] == system and r.get("same_text_as_vllm") is not None])]
+    if same:
+        lines.append("greedy answers word for word vLLM's: " + ", ".join(same))
     lines.append("ms for latencies; out tok/s = output tokens per second; goodput = requests per second meeting "
                  "the SLOs; ratios are duet / vLLM (below 1 is better for latencies, above 1 for throughput)")
     return "\n".join(lines)
