@@ -263,6 +263,13 @@ def test_http_failures_are_counted_with_the_servers_reasons(node, tmp_path):
     assert down.summary.failed_by_status == {"CONNECT_ERROR": 3} and all(r.error for r in down.requests)
 
 
+def test_grpc_only_flags_are_refused_for_http_targets_and_vice_versa():
+    done = loadgen("--target", "http://127.0.0.1:1", "--trace", "t.json")
+    assert done.returncode == 2 and "--trace" in done.stderr
+    done = loadgen("--target", "127.0.0.1:1", "--endpoint", CHAT)
+    assert done.returncode == 2 and "http(s):// targets only" in done.stderr
+
+
 def test_labels_name_the_runs_in_table_json_and_plot(node, tmp_path):
     out = tmp_path / "labelled.json"
     done = loadgen("--target", node.address, "--label", "over-grpc", "--compare", node.http,
