@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.default_model import default_model_path
+from common.openai_http import served_model_name
 from loadgen import BenchmarkConfig, run_benchmark
 from loadgen.runner import BenchmarkResult
 from scripts.bench_serving import colocated, disaggregated, mixed_prompts
@@ -59,10 +61,10 @@ def workloads(quick: bool, tmp: Path) -> list[Workload]:
 
 
 @contextlib.contextmanager
-def serving(system: str, model_dir: Path, tmp: Path):
+def serving(system: str, model_dir: Path, tmp: Path, vllm_bind: str | None):
     """The system's OpenAI base URL while it runs."""
     if system == PEER:
-        with vllm_server(model_dir, tmp / "vllm.log") as url:
+        with vllm_server(model_dir, tmp / "vllm.log", vllm_bind) as url:
             yield url
         return
     port = free_port()
@@ -86,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the records (a JSON list) here")
+    p.add_argument("--vllm-bind", metavar="CPUS", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM's engine, e.g. 0-1 (default: vLLM's own choice, which on "
+                   "2 cores computes on core 0 and leaves core 1 to its front end)")
     p.add_argument("--output-dir", type=Path, default=ROOT / "docs" / "bench",
                    help="where peer.json and peer.png go (default %(default)s)")
     a = p.parse_args(argv)
+    began = time.monotonic()
     systems = [s for s in a.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
     if unknown or not systems:
@@ -107,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{time.monotonic() - started:.0f}s)", flush=True)
         else:
             print("bench-peer: vllm is not among --systems: no ratios, duet is not compared with itself", flush=True)
-        model_dir = export_hf_model(tmp / "model")
+        model_dir = export_hf_model(tmp / served_model_name(default_model_path()))
         plan = workloads(a.quick, tmp)
         results: dict[tuple[str, str], BenchmarkResult] = {}
         for system in systems:
             print(f"{system}: starting ...", flush=True)
             started = time.monotonic()
             try:
-                with serving(system, model_dir, tmp) as url:
+                with serving(system, model_dir, tmp, a.vllm_bind) as url:
                     print(f"{system}: serving at {url} after {time.monotonic() - started:.0f}s", flush=True)
                     warm_up(url)
                     for w in plan:
@@ -130,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     write_plot(a.output_dir / "peer.png", records, "duet vs vLLM CPU" + (" (--quick)" if a.quick else ""))
     if a.json:
         write_json(a.json, records)
+    print(f"bench-peer: {time.monotonic() - began:.0f}s in all", flush=True)
     return 0 if all(r["completed"] for r in records) else 1
 
 
