@@ -34,12 +34,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
     p.add_argument("--target", required=True, metavar="HOST:PORT|http(s)://HOST:PORT",
                    help="a decode node or a router (duet gRPC), or an OpenAI-compatible server (http:// or https://)")
     p.add_argument("--endpoint", choices=OPENAI_ENDPOINTS, default=None,
-                   help="HTTP targets: the API to call (default /v1/completions)")
+                   help="HTTP targets: the API to call (default /v1/completions); /v1/chat/completions sends every "
+                   "prompt as a chat message, over gRPC too, so --compare runs the same requests")
     p.add_argument("--model", default=None,
                    help="HTTP targets: the model to ask for (default: the first id of /v1/models)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a .gguf file or Hugging Face directory whose tokenizer turns token-id prompts (random, "
-                   "shared-prefix) into text for /v1/chat/completions (default: the embedded model)")
+                   "shared-prefix) into chat text for --endpoint /v1/chat/completions (default: the embedded model)")
     p.add_argument("--label", default="", help="the target run's name in tables, JSON and plots (default: its address)")
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="(default %(default)s)")
     p.add_argument("--request-rate", type=float, default=d.request_rate,
@@ -90,8 +91,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
         p.error(str(exc))
     if a.trace and config.is_http:
         p.error("--trace fetches traces over duet's gRPC: give --target as HOST:PORT")
-    if (a.endpoint or a.model) and not any(is_http_target(t) for t in (a.target, a.compare or "")):
-        p.error("--endpoint and --model apply to http(s):// targets only")
+    if a.model and not any(is_http_target(t) for t in (a.target, a.compare or "")):
+        p.error("--model applies to http(s):// targets only")
     return config, a
 
 

@@ -5,7 +5,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadgen.datasets import SYNTHETIC_DATASETS, SampleRequest, file_dataset, random_dataset, shared_prefix_dataset
+from loadgen.datasets import (
+    SYNTHETIC_DATASETS,
+    SampleRequest,
+    as_chat,
+    file_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+)
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 COMPLETIONS = "/v1/completions"
@@ -37,7 +44,7 @@ class BenchmarkConfig:
     timeout: float | None = 600.0  # seconds per request; None = no deadline
     goodput: dict[str, float] = field(default_factory=dict)  # SLO metric -> milliseconds
     label: str = ""  # the run's name in tables, JSON and plots; "" = the target
-    endpoint: str | None = None  # OpenAI targets: /v1/completions (None) or /v1/chat/completions
+    endpoint: str | None = None  # /v1/completions (None) or /v1/chat/completions: chat sends every prompt as messages
     model: str | None = None  # OpenAI targets: None = the first id /v1/models lists
     tokenizer: str | None = None  # decodes token-id prompts for the chat endpoint; None = the embedded model
 
@@ -89,7 +96,12 @@ class BenchmarkConfig:
         return self.dataset in SYNTHETIC_DATASETS if self.ignore_eos is None else self.ignore_eos
 
     def samples(self) -> list[SampleRequest]:
-        """The workload, a pure function of the settings (so --compare replays the same one)."""
+        """The workload, a pure function of the settings (so --compare replays the same one). For
+        the chat endpoint every prompt is a conversation, whichever protocol carries it."""
+        samples = self._dataset()
+        return as_chat(samples, self.tokenizer_path) if self.endpoint == CHAT else samples
+
+    def _dataset(self) -> list[SampleRequest]:
         if self.dataset == "random":
             return random_dataset(self.num_requests, self.input_len, self.output_len, self.range_ratio, self.seed)
         if self.dataset == "shared-prefix":

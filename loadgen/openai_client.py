@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from functools import cached_property
 from typing import Any
 
 import httpx2
@@ -103,8 +102,8 @@ class OpenAITarget:
         """The request body: greedy, `output_len` tokens, streamed with usage."""
         body: dict[str, Any] = {"model": self.model, "temperature": 0.0, "stream": True,
                                 "stream_options": {"include_usage": True}}
-        if self.endpoint == CHAT:
-            body["messages"] = [{"role": role, "content": content} for role, content in self._messages(sample)]
+        if self.endpoint == CHAT:  # BenchmarkConfig.samples made every prompt a conversation
+            body["messages"] = [{"role": role, "content": content} for role, content in sample.messages]
             body["max_completion_tokens"] = sample.output_len
         else:
             body["prompt"] = list(sample.token_ids) if sample.token_ids else sample.prompt or _joined(sample.messages)
@@ -112,18 +111,6 @@ class OpenAITarget:
         if self.config.effective_ignore_eos:
             body["ignore_eos"] = True  # an extension vLLM and duet honour; sent only when wanted
         return body
-
-    def _messages(self, sample: SampleRequest) -> tuple[tuple[str, str], ...]:
-        """Chat takes text: a token-id prompt is decoded with the tokenizer (as `vllm bench serve` does)."""
-        if sample.messages:
-            return sample.messages
-        return (("user", sample.prompt or self._tokenizer.decode(sample.token_ids)),)
-
-    @cached_property
-    def _tokenizer(self):
-        from common.tokenizer import load_tokenizer
-
-        return load_tokenizer(self.config.tokenizer_path)
 
 
 class TargetFailure(Exception):

@@ -240,10 +240,13 @@ def test_http_chat_gives_the_grpc_runs_tokens(node, tmp_path):
         assert over_http.text == over_grpc.text and over_http.text
         assert (over_http.prompt_tokens, over_http.completion_tokens, over_http.finish_reason) == \
             (over_grpc.prompt_tokens, over_grpc.completion_tokens, over_grpc.finish_reason)
-    # Token-id prompts reach the chat endpoint as text, decoded with the embedded model's tokenizer.
-    chat = run_benchmark(BenchmarkConfig(target=node.http, endpoint=CHAT, num_requests=1, input_len=12, output_len=3),
-                         progress=None)
-    assert chat.summary.completed == 1 and chat.requests[0].completion_tokens == 3
+    # Token-id prompts become chat text (decoded with the embedded model's tokenizer), over either protocol.
+    config = BenchmarkConfig(target=node.http, endpoint=CHAT, num_requests=2, input_len=12, output_len=3, seed=4)
+    http_run = run_benchmark(config, progress=None)
+    grpc_run = run_benchmark(dataclasses.replace(config, target=node.address), progress=None)
+    assert [(r.ok, r.prompt_tokens, r.completion_tokens, r.text) for r in http_run.requests] == \
+        [(r.ok, r.prompt_tokens, r.completion_tokens, r.text) for r in grpc_run.requests]
+    assert all(r.ok and r.prompt_tokens > 12 and r.completion_tokens == 3 for r in http_run.requests)  # + template
 
 
 def test_http_failures_are_counted_with_the_servers_reasons(node, tmp_path):
@@ -266,7 +269,7 @@ def test_http_failures_are_counted_with_the_servers_reasons(node, tmp_path):
 def test_grpc_only_flags_are_refused_for_http_targets_and_vice_versa():
     done = loadgen("--target", "http://127.0.0.1:1", "--trace", "t.json")
     assert done.returncode == 2 and "--trace" in done.stderr
-    done = loadgen("--target", "127.0.0.1:1", "--endpoint", CHAT)
+    done = loadgen("--target", "127.0.0.1:1", "--model", "m")
     assert done.returncode == 2 and "http(s):// targets only" in done.stderr
 
 
