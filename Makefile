@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.duet-installed
 
-.PHONY: run test bench install clean gpu-check
+.PHONY: run test bench bench-peer install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,10 +28,15 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_transfer
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
 
+# duet side by side with vLLM's CPU engine (installed into .venv-peer on first use; not part of
+# `make test`): one table with duet / vLLM ratios, docs/bench/peer.json and peer.png.
+bench-peer: $(STAMP)
+	$(PY) -m scripts.bench_peer $(ARGS)
+
 # On a machine with an NVIDIA GPU: kernels, bf16 engine vs transformers, VRAM pools over NIXL, KV
 # bandwidth (docs/gpu.md). The script picks or prepares a Python whose torch sees the GPU.
 gpu-check:
 	bash scripts/gpu_check.sh $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-peer build *.egg-info

@@ -119,6 +119,19 @@ class Tokenizer:
             chat_template = tokenizer_config.get("chat_template")
         return cls(backend, eos_token_id, token_id("bos"), chat_template)
 
+    def save_hf(self, out_dir: str | Path, model_max_length: int) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` (special tokens, chat template), as a
+        Hugging Face model directory holds them; `from_hf_dir` and transformers read them back."""
+        out_dir = Path(out_dir)
+        self._backend.save(str(out_dir / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                  "eos_token": self._token_text(self.eos_token_id), "clean_up_tokenization_spaces": False}
+        if self.bos_token_id is not None:
+            config["bos_token"] = self._token_text(self.bos_token_id)
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 

@@ -1,4 +1,5 @@
-"""Load generator and serving benchmark for duet.v1.DecodeNode/Generate (like `vllm bench serve`).
+"""Load generator and serving benchmark for duet.v1.DecodeNode/Generate and OpenAI-compatible HTTP
+servers (like `vllm bench serve`).
 
 In-process use::
 

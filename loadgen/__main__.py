@@ -1,4 +1,5 @@
-"""python -m loadgen: benchmark a decode node (or a router) and print / save the results."""
+"""python -m loadgen: benchmark a decode node, a router or an OpenAI-compatible server, and print /
+save the results."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from loadgen.config import SLO_METRICS, BenchmarkConfig
+from loadgen.config import OPENAI_ENDPOINTS, SLO_METRICS, BenchmarkConfig, is_http_target
 from loadgen.report import format_table, write_json
 from loadgen.runner import BenchmarkResult, run_benchmark
 from loadgen.traces import write_run_trace
@@ -27,10 +28,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
     d = BenchmarkConfig(target="")
     p = argparse.ArgumentParser(
         prog="python -m loadgen",
-        description="Send a workload to duet.v1.DecodeNode/Generate, stream every answer, and report "
-        "throughput, TTFT / TPOT / ITL / E2E latency and goodput.",
+        description="Send a workload to duet.v1.DecodeNode/Generate or to any OpenAI-compatible HTTP server, "
+        "stream every answer, and report throughput, TTFT / TPOT / ITL / E2E latency and goodput.",
     )
-    p.add_argument("--target", required=True, metavar="HOST:PORT", help="a decode node or a router")
+    p.add_argument("--target", required=True, metavar="HOST:PORT|http(s)://HOST:PORT",
+                   help="a decode node or a router (duet gRPC), or an OpenAI-compatible server (http:// or https://)")
+    p.add_argument("--endpoint", choices=OPENAI_ENDPOINTS, default=None,
+                   help="HTTP targets: the API to call (default /v1/completions); /v1/chat/completions sends every "
+                   "prompt as a chat message, over gRPC too, so --compare runs the same requests")
+    p.add_argument("--model", default=None,
+                   help="HTTP targets: the model to ask for (default: the first id of /v1/models)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a .gguf file or Hugging Face directory whose tokenizer turns token-id prompts (random, "
+                   "shared-prefix) into chat text for --endpoint /v1/chat/completions (default: the embedded model)")
+    p.add_argument("--label", default="", help="the target run's name in tables, JSON and plots (default: its address)")
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="(default %(default)s)")
     p.add_argument("--request-rate", type=float, default=d.request_rate,
                    help="requests per second, Poisson arrivals; inf = all at once (default %(default)s)")
@@ -56,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request (default %(default)s)")
     p.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="METRIC:MS",
                    help=f"SLOs for goodput, METRIC in {', '.join(SLO_METRICS)}, e.g. ttft:500 tpot:50")
-    p.add_argument("--compare", metavar="HOST:PORT",
+    p.add_argument("--compare", metavar="HOST:PORT|http(s)://HOST:PORT",
                    help="afterwards, run the same workload against this target and print both side by side")
+    p.add_argument("--compare-label", default="", help="the --compare run's name (default: its address)")
     p.add_argument("--output", type=Path, metavar="FILE.json", help="write the summary and every request's timings")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="write latency CDFs and a request timeline")
     p.add_argument("--trace", type=Path, metavar="FILE.json",
@@ -72,10 +84,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
             target=a.target, num_requests=a.num_requests, request_rate=a.request_rate, burstiness=a.burstiness,
             max_concurrency=a.max_concurrency, dataset=a.dataset, input_len=a.input_len, output_len=a.output_len,
             range_ratio=a.range_ratio, num_prefix_groups=a.num_prefix_groups, prefix_len=a.prefix_len,
-            ignore_eos=a.ignore_eos, seed=a.seed, timeout=a.timeout, goodput=dict(a.goodput),
+            ignore_eos=a.ignore_eos, seed=a.seed, timeout=a.timeout, goodput=dict(a.goodput), label=a.label,
+            endpoint=a.endpoint, model=a.model, tokenizer=a.tokenizer,
         )
     except ValueError as exc:
         p.error(str(exc))
+    if a.trace and config.is_http:
+        p.error("--trace fetches traces over duet's gRPC: give --target as HOST:PORT")
+    if a.model and not any(is_http_target(t) for t in (a.target, a.compare or "")):
+        p.error("--model applies to http(s):// targets only")
     return config, a
 
 
@@ -86,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_benchmark(config, progress)
     compare = None
     if a.compare:
-        compare = run_benchmark(dataclasses.replace(config, target=a.compare), progress)
+        compare = run_benchmark(dataclasses.replace(config, target=a.compare, label=a.compare_label), progress)
     print(format_table(result, compare), flush=True)
     if a.output:
         write_json(a.output, result, compare)

@@ -5,14 +5,30 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadgen.datasets import SYNTHETIC_DATASETS, SampleRequest, file_dataset, random_dataset, shared_prefix_dataset
+from loadgen.datasets import (
+    SYNTHETIC_DATASETS,
+    SampleRequest,
+    as_chat,
+    file_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+)
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+OPENAI_ENDPOINTS = (COMPLETIONS, CHAT)
+HTTP_SCHEMES = ("http://", "https://")
+
+
+def is_http_target(target: str) -> bool:
+    """http(s)://HOST:PORT is an OpenAI-compatible server; HOST:PORT is duet's gRPC."""
+    return target.startswith(HTTP_SCHEMES)
 
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
-    target: str  # host:port serving duet.v1.DecodeNode/Generate
+    target: str  # host:port serving duet.v1.DecodeNode/Generate, or http(s)://host:port (OpenAI API)
     num_requests: int = 64
     request_rate: float = math.inf  # requests per second; inf = all at once
     burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
@@ -27,6 +43,10 @@ class BenchmarkConfig:
     seed: int = 0
     timeout: float | None = 600.0  # seconds per request; None = no deadline
     goodput: dict[str, float] = field(default_factory=dict)  # SLO metric -> milliseconds
+    label: str = ""  # the run's name in tables, JSON and plots; "" = the target
+    endpoint: str | None = None  # /v1/completions (None) or /v1/chat/completions: chat sends every prompt as messages
+    model: str | None = None  # OpenAI targets: None = the first id /v1/models lists
+    tokenizer: str | None = None  # decodes token-id prompts for the chat endpoint; None = the embedded model
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -46,15 +66,42 @@ class BenchmarkConfig:
         unknown = set(self.goodput) - set(SLO_METRICS)
         if unknown:
             raise ValueError(f"--goodput: unknown metric(s) {sorted(unknown)}; use {', '.join(SLO_METRICS)}")
+        if self.endpoint is not None and self.endpoint not in OPENAI_ENDPOINTS:
+            raise ValueError(f"--endpoint must be one of {', '.join(OPENAI_ENDPOINTS)}, got {self.endpoint!r}")
         if self.dataset not in SYNTHETIC_DATASETS and not Path(self.dataset).is_file():
             raise ValueError(f"--dataset: {self.dataset!r} is neither {' nor '.join(SYNTHETIC_DATASETS)} nor a file")
+
+    @property
+    def name(self) -> str:
+        return self.label or self.target
+
+    @property
+    def is_http(self) -> bool:
+        return is_http_target(self.target)
+
+    @property
+    def openai_endpoint(self) -> str:
+        return self.endpoint or COMPLETIONS
+
+    @property
+    def tokenizer_path(self) -> Path:
+        if self.tokenizer:
+            return Path(self.tokenizer)
+        from common.default_model import default_model_path
+
+        return default_model_path()
 
     @property
     def effective_ignore_eos(self) -> bool:
         return self.dataset in SYNTHETIC_DATASETS if self.ignore_eos is None else self.ignore_eos
 
     def samples(self) -> list[SampleRequest]:
-        """The workload, a pure function of the settings (so --compare replays the same one)."""
+        """The workload, a pure function of the settings (so --compare replays the same one). For
+        the chat endpoint every prompt is a conversation, whichever protocol carries it."""
+        samples = self._dataset()
+        return as_chat(samples, self.tokenizer_path) if self.endpoint == CHAT else samples
+
+    def _dataset(self) -> list[SampleRequest]:
         if self.dataset == "random":
             return random_dataset(self.num_requests, self.input_len, self.output_len, self.range_ratio, self.seed)
         if self.dataset == "shared-prefix":

@@ -34,6 +34,24 @@ class SampleRequest:
         return len(self.token_ids) if self.token_ids else None
 
 
+def as_chat(samples: list[SampleRequest], tokenizer_path: Path) -> list[SampleRequest]:
+    """The same requests as one-message conversations: a text prompt becomes the user's message,
+    a token-id prompt is decoded to text first (as `vllm bench serve` does for chat)."""
+    decode = None
+    out = []
+    for s in samples:
+        if s.messages:
+            out.append(s)
+            continue
+        if s.token_ids and decode is None:
+            from common.tokenizer import load_tokenizer
+
+            decode = load_tokenizer(tokenizer_path).decode
+        text = s.prompt or decode(s.token_ids)
+        out.append(SampleRequest(output_len=s.output_len, messages=(("user", text),)))
+    return out
+
+
 def uniform_lengths(rng: random.Random, n: int, length: int, range_ratio: float) -> list[int]:
     """n integers uniform in [length·(1-r), length·(1+r)], at least 1."""
     low = max(1, int(length * (1 - range_ratio)))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadgen.client import RequestResult
+from loadgen.request_result import RequestResult
 
 
 @dataclass(frozen=True)

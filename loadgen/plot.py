@@ -16,6 +16,13 @@ CDFS = (("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot), ("E2E latency", 
 
 
 def write_plot(path: Path, result: BenchmarkResult, compare: BenchmarkResult | None = None) -> None:
+    fig = figure(result, compare)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(result: BenchmarkResult, compare: BenchmarkResult | None = None) -> plt.Figure:
+    """The CDFs of both runs (one curve per run, named by its label) and one timeline per run."""
     runs = [result] if compare is None else [result, compare]
     fig = plt.figure(figsize=(15, 4 + 4 * len(runs)), layout="constrained")
     grid = fig.add_gridspec(1 + len(runs), len(CDFS))
@@ -24,7 +31,7 @@ def write_plot(path: Path, result: BenchmarkResult, compare: BenchmarkResult | N
         for run in runs:
             ms = np.sort([value(r) * 1000.0 for r in run.requests if r.ok and value(r) is not None])
             if ms.size:
-                ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post", label=run.config.target)
+                ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post", label=run.config.name)
         ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -33,8 +40,7 @@ def write_plot(path: Path, result: BenchmarkResult, compare: BenchmarkResult | N
             ax.text(0.5, 0.5, "no successful requests", ha="center", va="center", transform=ax.transAxes)
     for row, run in enumerate(runs, 1):
         _timeline(fig.add_subplot(grid[row, :]), run)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _timeline(ax, run: BenchmarkResult) -> None:
@@ -50,7 +56,8 @@ def _timeline(ax, run: BenchmarkResult) -> None:
         ax.hlines([r.index for r in failed], [r.arrival for r in failed], [r.end for r in failed],
                   colors="tab:red", linewidth=2, label="failed")
         ax.plot([r.end for r in failed], [r.index for r in failed], "x", color="tab:red")
-    ax.set(title=f"Timeline: {run.config.target}", xlabel="seconds since start", ylabel="request")
+    title = run.config.name if not run.config.label else f"{run.config.label} ({run.config.target})"
+    ax.set(title=f"Timeline: {title}", xlabel="seconds since start", ylabel="request")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from loadgen.client import RequestResult
+from loadgen.request_result import RequestResult
 from loadgen.metrics import LatencyStats, Summary
 from loadgen.runner import BenchmarkResult
 
@@ -22,27 +22,31 @@ Row = tuple[str, list[float | int | None]]  # label, one value per run; a sectio
 
 
 def format_table(result: BenchmarkResult, compare: BenchmarkResult | None = None) -> str:
-    """vllm-bench-serve-style table; with `compare`, columns target | compare | ratio (target/compare)."""
+    """vllm-bench-serve-style table; with `compare`, columns target | compare | ratio (target/compare),
+    headed by the runs' labels ("target" and "compare" when unlabelled)."""
     runs = [result] if compare is None else [result, compare]
     addresses = [run.config.target for run in runs]
-    cell = max(VALUE_WIDTH, *(len(a) + 2 for a in addresses))
+    names = [run.config.label or role for run, role in zip(runs, ("target", "compare"))]
+    cell = max(VALUE_WIDTH, *(len(a) + 2 for a in addresses + names))
     rows = _rows([run.summary for run in runs])
     if compare is None:
         width = LABEL_WIDTH + cell
         lines = [" Serving Benchmark Result ".center(width, "="), f"{'Target:':<{LABEL_WIDTH}}{addresses[0]:>{cell}}"]
+        if result.config.label:
+            lines.insert(1, f"{'Label:':<{LABEL_WIDTH}}{result.config.label:>{cell}}")
         for label, values in rows:
             lines.append(f"{label + ':':<{LABEL_WIDTH}}{_cell(values[0]):>{cell}}" if values
                          else f" {label} ".center(width, "-"))
     else:
         width = LABEL_WIDTH + 2 * cell + VALUE_WIDTH
         lines = [" Serving Benchmark Comparison ".center(width, "="),
-                 f"{'metric':<{LABEL_WIDTH}}{'target':>{cell}}{'compare':>{cell}}{'ratio':>{VALUE_WIDTH}}",
+                 f"{'metric':<{LABEL_WIDTH}}{names[0]:>{cell}}{names[1]:>{cell}}{'ratio':>{VALUE_WIDTH}}",
                  f"{'address':<{LABEL_WIDTH}}{addresses[0]:>{cell}}{addresses[1]:>{cell}}{'(tgt/cmp)':>{VALUE_WIDTH}}"]
         for label, values in rows:
             lines.append(f"{label:<{LABEL_WIDTH}}{_cell(values[0]):>{cell}}{_cell(values[1]):>{cell}}"
                          f"{_ratio(*values):>{VALUE_WIDTH}}" if values else f" {label} ".center(width, "-"))
-    examples = [(f"{name} " if compare is not None else "") + line
-                for name, run in zip(("target", "compare"), runs) for line in _error_examples(run.requests)]
+    examples = [(f"{name}: " if compare is not None else "") + line
+                for name, run in zip(names, runs) for line in _error_examples(run.requests)]
     if examples:
         lines += [" Errors (one example per status) ".center(width, "-"), *examples]
     return "\n".join(lines + ["=" * width])
@@ -103,7 +107,9 @@ def result_to_dict(result: BenchmarkResult) -> dict:
         config["request_rate"] = "inf"  # JSON has no infinity
     config["ignore_eos"] = result.config.effective_ignore_eos
     return {
+        "label": result.config.name,
         "target": result.config.target,
+        "model": result.model,
         "started_unix": result.started_unix,
         "config": config,
         "summary": asdict(result.summary),
@@ -132,6 +138,7 @@ def _request_to_dict(r: RequestResult) -> dict:
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
+        "text": r.text,
     }
 
 

@@ -8,17 +8,14 @@ import uuid
 from dataclasses import dataclass
 from typing import TextIO
 
-import grpc
-
 from loadgen.arrivals import arrival_offsets
-from loadgen.client import RequestResult, send_request
 from loadgen.config import BenchmarkConfig
 from loadgen.datasets import SampleRequest
+from loadgen.grpc_client import GrpcTarget
 from loadgen.metrics import Summary, summarize
+from loadgen.openai_client import OpenAITarget
 from loadgen.progress import Progress
-from protos.duet.v1 import duet_pb2_grpc
-
-MAX_MESSAGE_BYTES = 64 << 20
+from loadgen.request_result import RequestResult
 
 
 @dataclass(frozen=True)
@@ -27,6 +24,7 @@ class BenchmarkResult:
     started_unix: float  # wall-clock time of the run's start; request times are relative to it
     summary: Summary
     requests: list[RequestResult]  # in workload order
+    model: str | None = None  # the model an OpenAI target served (gRPC names none)
 
 
 def run_benchmark(config: BenchmarkConfig, progress: TextIO | None = sys.stderr) -> BenchmarkResult:
@@ -38,19 +36,16 @@ def run_benchmark(config: BenchmarkConfig, progress: TextIO | None = sys.stderr)
     samples = config.samples()
     offsets = arrival_offsets(len(samples), config.request_rate, config.burstiness, config.seed)
     started_unix = time.time()
-    bar = Progress(len(samples), config.target, progress)
-    results, duration = asyncio.run(_run(config, samples, offsets.tolist(), bar))
+    bar = Progress(len(samples), config.name, progress)
+    results, duration, model = asyncio.run(_run(config, samples, offsets.tolist(), bar))
     bar.close()
     return BenchmarkResult(config=config, started_unix=started_unix,
-                           summary=summarize(results, duration, config.goodput), requests=results)
+                           summary=summarize(results, duration, config.goodput), requests=results, model=model)
 
 
 async def _run(config: BenchmarkConfig, samples: list[SampleRequest], offsets: list[float],
-               bar: Progress) -> tuple[list[RequestResult], float]:
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    async with grpc.aio.insecure_channel(config.target, options=options) as channel:
-        stub = duet_pb2_grpc.DecodeNodeStub(channel)
+               bar: Progress) -> tuple[list[RequestResult], float, str | None]:
+    async with (OpenAITarget(config) if config.is_http else GrpcTarget(config)) as target:
         slots = asyncio.Semaphore(config.max_concurrency or len(samples))
         origin = time.perf_counter()
         run_id = uuid.uuid4().hex[:12]  # request ids unique across runs, so a node never sees one twice
@@ -59,11 +54,10 @@ async def _run(config: BenchmarkConfig, samples: list[SampleRequest], offsets: l
             await asyncio.sleep(max(0.0, origin + offsets[index] - time.perf_counter()))
             arrival = time.perf_counter() - origin
             async with slots:
-                result = await send_request(stub, index, f"loadgen-{run_id}-{index}", samples[index],
-                                            origin=origin, arrival=arrival,
-                                            timeout=config.timeout, ignore_eos=config.effective_ignore_eos)
+                result = await target.send(index, f"loadgen-{run_id}-{index}", samples[index],
+                                           origin=origin, arrival=arrival)
             bar.advance(result.ok)
             return result
 
         results = await asyncio.gather(*(one(i) for i in range(len(samples))))
-        return list(results), time.perf_counter() - origin
+        return list(results), time.perf_counter() - origin, target.model

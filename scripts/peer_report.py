@@ -1,0 +1,112 @@
+"""`make bench-peer`'s results: one record per (workload, system), the side-by-side table with
+duet / vLLM ratios, and a PNG of the same numbers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadgen.metrics import LatencyStats
+from loadgen.runner import BenchmarkResult
+
+PEER = "vllm"
+# (record key, column title, higher is better)
+COLUMNS = (
+    ("ttft_p50_ms", "TTFT p50", False), ("ttft_p99_ms", "TTFT p99", False),
+    ("itl_p50_ms", "ITL p50", False), ("itl_p99_ms", "ITL p99", False), ("tpot_p99_ms", "TPOT p99", False),
+    ("output_tokens_per_s", "out tok/s", True), ("goodput_req_per_s", "goodput", True),
+)
+
+
+def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkResult | None) -> dict:
+    """The numbers of one run; `same_text_as_vllm` counts the requests whose greedy answer is the
+    peer's, word for word (None without a peer run)."""
+    s = result.summary
+
+    def pick(stats: LatencyStats | None, name: str) -> float | None:
+        return None if stats is None else getattr(stats, name)
+
+    same = None
+    if peer is not None and system != PEER:
+        same = sum(a.ok and b.ok and a.text == b.text for a, b in zip(result.requests, peer.requests))
+    return {
+        "workload": workload, "system": system, "model": result.model, "completed": s.completed, "failed": s.failed,
+        "failed_by_status": s.failed_by_status, "duration_s": s.duration_s,
+        "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
+        "ttft_p50_ms": pick(s.ttft_ms, "median"), "ttft_p99_ms": pick(s.ttft_ms, "p99"),
+        "itl_p50_ms": pick(s.itl_ms, "median"), "itl_p99_ms": pick(s.itl_ms, "p99"),
+        "tpot_p99_ms": pick(s.tpot_ms, "p99"), "output_tokens_per_s": s.output_throughput,
+        "goodput_req_per_s": s.goodput, "same_text_as_vllm": same,
+    }
+
+
+def format_table(records: list[dict]) -> str:
+    """Rows grouped by workload; under each duet row, its ratio to vLLM's row of that workload."""
+    head = f"{'workload':<16}{'system':<22}{'ok/all':>8}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        rows = [r for r in records if r["workload"] == workload]
+        peer = next((r for r in rows if r["system"] == PEER), None)
+        for i, r in enumerate(rows):
+            done = f"{r['completed']}/{r['completed'] + r['failed']}"
+            lines.append(f"{workload if i == 0 else '':<16}{r['system']:<22}{done:>8}"
+                         + "".join(f"{_value(r[key]):>11}" for key, _, _ in COLUMNS))
+            if peer is not None and r is not peer:
+                lines.append(f"{'':<16}{'  duet / vLLM':<22}{'':>8}"
+                             + "".join(f"{_ratio(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
+    lines.append("-" * len(head))
+    same = [f"{system} {sum(r['same_text_as_vllm'] for r in rows)}/{sum(r['completed'] for r in rows)}"
+            for system in dict.fromkeys(r["system"] for r in records)
+            if (rows := [r for r in records if r["system"] == system and r.get("same_text_as_vllm") is not None])]
+    if same:
+        lines.append("greedy answers word for word vLLM's: " + ", ".join(same))
+    lines.append("ms for latencies; out tok/s = output tokens per second; goodput = requests per second meeting "
+                 "the SLOs; ratios are duet / vLLM (below 1 is better for latencies, above 1 for throughput)")
+    return "\n".join(lines)
+
+
+def _value(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or not b else f"{a / b:.2f}x"
+
+
+def write_json(path: Path, records: list[dict]) -> None:
+    path.write_text(json.dumps(records, indent=1, allow_nan=False) + "\n")
+
+
+def write_plot(path: Path, records: list[dict], title: str) -> None:
+    """One row per workload: TTFT, ITL (p50 solid, p99 hatched) and output tokens/s, a bar per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    systems = list(dict.fromkeys(r["system"] for r in records))
+    colors = dict(zip(systems, ("tab:gray", "tab:blue", "tab:orange", "tab:green")))
+    panels = (("TTFT (ms)", ("ttft_p50_ms", "ttft_p99_ms")), ("ITL (ms)", ("itl_p50_ms", "itl_p99_ms")),
+              ("output tokens/s", ("output_tokens_per_s",)))
+    fig, axes = plt.subplots(len(workloads), len(panels), figsize=(15, 3.2 * len(workloads)), squeeze=False,
+                             layout="constrained")
+    width = 0.8 / len(systems)
+    for row, workload in enumerate(workloads):
+        by_system = {r["system"]: r for r in records if r["workload"] == workload}
+        for col, (name, keys) in enumerate(panels):
+            ax = axes[row][col]
+            for i, system in enumerate(systems):
+                r = by_system.get(system)
+                values = [(r or {}).get(key) or 0.0 for key in keys]
+                xs = [k + (i - (len(systems) - 1) / 2) * width for k in range(len(keys))]
+                bars = ax.bar(xs, values, width, color=colors[system], label=system)
+                for bar, key in zip(bars, keys):
+                    if key.endswith("p99_ms"):
+                        bar.set_hatch("//")
+            ax.set_xticks(range(len(keys)), [k.split("_")[1] if k.endswith("_ms") else "" for k in keys])
+            ax.set_title(f"{workload}: {name}")
+            ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,67 @@
+"""The parts of `make bench-peer` that need no peer: the Hugging Face export every system loads,
+the `vllm` version stub wheel, and the ratio table. (The peer itself is not installed here.)"""
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.checkpoint import load_checkpoint
+from common.gguf_loader import load_gguf
+from common.tokenizer import load_tokenizer
+from scripts.export_hf_model import export_hf_model
+from scripts.peer_report import format_table
+from scripts.peer_vllm import VLLM_VERSION, write_version_stub_wheel
+from tests.reference import engine_greedy, hf_greedy
+
+TEXT = "Prefill and decode, 1234 tokens: naïve café — 日本語."
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, model_path):
+    return export_hf_model(tmp_path_factory.mktemp("hf_export"), model_path)
+
+
+def test_export_holds_the_gguf_weights_and_tokenizer(hf_dir, model_path):
+    exported, original = load_checkpoint(hf_dir), load_gguf(model_path)
+    assert exported.config == original.config
+    assert exported.tensors.keys() <= original.tensors.keys()
+    assert all(torch.equal(t, original.tensors[name]) for name, t in exported.tensors.items())
+    ours, theirs = load_tokenizer(hf_dir), load_tokenizer(model_path)
+    assert ours.encode(TEXT) == theirs.encode(TEXT) and ours.decode(ours.encode(TEXT)) == TEXT
+    assert (ours.eos_token_id, ours.bos_token_id, ours.chat_template) == \
+        (theirs.eos_token_id, theirs.bos_token_id, theirs.chat_template)
+
+
+def test_transformers_reads_the_export_and_greedy_matches_duet(hf_dir, model):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    prompt = tokenizer(TEXT, add_special_tokens=True)["input_ids"]
+    assert prompt == load_tokenizer(hf_dir).encode(TEXT)  # no BOS/EOS added: the same prompt for every server
+    assert hf_greedy(hf, prompt, 12) == engine_greedy(model, prompt, 12)
+
+
+def test_version_stub_wheel_installs_as_a_vllm_distribution(tmp_path):
+    wheel = write_version_stub_wheel(tmp_path)
+    target = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
+                           str(wheel)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    dist = next(importlib.metadata.distributions(name="vllm", path=[str(target)]))
+    assert dist.version == VLLM_VERSION and "+cpu" in dist.version
+    assert sorted(p.name for p in target.iterdir()) == [f"vllm-{VLLM_VERSION}.dist-info"]  # metadata only
+
+
+def test_table_puts_duet_over_vllm_under_each_duet_row():
+    def rec(workload, system, ttft, tok_s):
+        return {"workload": workload, "system": system, "completed": 4, "failed": 0, "ttft_p50_ms": ttft,
+                "ttft_p99_ms": ttft, "itl_p50_ms": None, "itl_p99_ms": 10.0, "tpot_p99_ms": 10.0,
+                "output_tokens_per_s": tok_s, "goodput_req_per_s": 0.0}
+
+    table = format_table([rec("w", "vllm", 200.0, 10.0), rec("w", "duet-colocated", 100.0, 30.0)])
+    ratios = [line.split() for line in table.splitlines() if line.lstrip().startswith("duet / vLLM")]
+    assert [r[3:] for r in ratios] == [["0.50x", "0.50x", "n/a", "1.00x", "1.00x", "3.00x", "n/a"]]
