@@ -194,8 +194,9 @@ class PrefixCache:
         self._num_nodes = 0
         self._heap.clear()
 
-    def allocate(self, n: int) -> list[int]:
-        """Allocate `n` pages, evicting LRU cache pages first if the free list is short.
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Allocate `n` pages (continuing page `after`'s run where free: see
+        `PageAllocator.allocate`), evicting LRU cache pages first if the free list is short.
 
         Raises `OutOfPages` (with `free` counting evictable pages too) without evicting anything
         when even evicting every evictable page would not be enough.
@@ -206,7 +207,7 @@ class PrefixCache:
             if evictable < short:
                 raise OutOfPages(n, self.allocator.num_free + evictable)
             self.evict(short)
-        return self.allocator.allocate(n)
+        return self.allocator.allocate(n, after)
 
     def _lookup(self, token_ids: Sequence[int]) -> tuple[list[_Node], _Node | None, int]:
         """The matching path of full pages, then the tail (with its matched token count) that
