@@ -1,11 +1,13 @@
 """KV over plain TCP, for machines where NIXL/UCX cannot load.
 
-One connection per transfer. The sender streams frames; the receiver validates each write
-against the reservation it was told about and `recv_into`s the bytes straight into the pool
-slice they belong to (no staging copy). Wire format (little-endian):
+One connection per transfer, one frame per layer. The sender sends a layer's K and V runs with
+gather I/O (`sendmsg` of the pool's slot views: no staging copy); the receiver checks every run
+of the frame against the reservation it was told about, then receives the payload with scatter
+I/O (`recvmsg_into` straight into the slots' views). Wire format (little-endian):
 
-    BEGIN  b"DKV1" | u16 id_len | u64 nonce | request_id
-    WRITE  u8 1 | u16 layer | u8 kv | u64 dst_slot | u32 num_slots | num_slots*slot_bytes bytes
+    BEGIN  b"DKV2" | u16 id_len | u64 nonce | request_id
+    LAYER  u8 3 | u16 layer | u32 num_runs | num_runs * (u64 dst_slot, u32 num_slots)
+           | the K rows of every run, in run order | then their V rows
     END    u8 2
     reply  u8 gRPC status code (0 ok) | u32 msg_len | msg   (sent once, after END or on error)
 
@@ -17,13 +19,11 @@ alive: once it is gone, a stall of POLL_S drops the connection and the pin.
 A pool in GPU memory goes through host memory. The sender gathers a layer's pieces on the
 device into one buffer (cuda/paged_kv.py: one kernel, not a copy per piece), copies it to pinned
 host memory without blocking the forward thread, and its sender thread waits for that copy
-before sending the layer. The receiver lands each frame in pinned host memory and copies it
-into its slots, which are one contiguous run.
+before sending the layer. The receiver lands each frame's payload in pinned host memory and
+scatters it into the slots with one indexed copy.
 """
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import queue
 import socket
@@ -34,22 +34,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from common.errors import RequestError
 from common.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import Piece
-from cuda.paged_kv import gather_from_slots
+from cuda.paged_kv import gather_from_slots, scatter_to_slots
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"DKV1"
+_MAGIC = b"DKV2"
 _BEGIN = struct.Struct("<4sHQ")
 _OP = struct.Struct("<B")
-_WRITE = struct.Struct("<HBQI")
+_LAYER = struct.Struct("<HI")
+_RUNS = np.dtype([("slot", "<u8"), ("n", "<u4")])  # a LAYER frame's runs
 _REPLY = struct.Struct("<BI")
-_OP_WRITE, _OP_END = 1, 2
+_OP_END, _OP_LAYER = 2, 3
+_IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
 MAX_REQUEST_ID_BYTES = 1024
 BEGIN_TIMEOUT_S = 10.0  # a connection must say which reservation it writes within this
 POLL_S = 1.0  # how often a receiver waiting for bytes checks its reservation is still alive
@@ -83,6 +86,46 @@ def _recv_exact(sock: socket.socket, buf: memoryview, alive: Callable[[], bool] 
         if n == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         buf = buf[n:]
+
+
+def _recv_into_all(sock: socket.socket, views: list[memoryview], alive: Callable[[], bool]) -> None:
+    """Fill `views` in order with scatter I/O (a stall is handled as in `_recv_exact`)."""
+    i = 0
+    while i < len(views):
+        try:
+            n = sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
+        except TimeoutError:
+            if alive():
+                continue
+            raise ConnectionError("the writer stalled and its reservation is gone") from None
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        i = _advance(views, i, n)
+
+
+def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send `views` in order with gather I/O."""
+    i = 0
+    while i < len(views):
+        i = _advance(views, i, sock.sendmsg(views[i : i + _IOV_MAX]))
+
+
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """Consume `n` bytes from `views[i:]`; the index of the first view not yet complete."""
+    while n and i < len(views):
+        if n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        else:
+            views[i], n = views[i][n:], 0
+    while i < len(views) and not views[i].nbytes:
+        i += 1
+    return i
+
+
+def _slot_views(layer_kv: memoryview, slot_bytes: int, runs: list[tuple[int, int]]) -> list[memoryview]:
+    """Views of the (start, num_slots) runs of one (layer, K|V), given as bytes."""
+    return [layer_kv[start * slot_bytes : (start + n) * slot_bytes] for start, n in runs]
 
 
 def _recv_struct(sock: socket.socket, st: struct.Struct, alive: Callable[[], bool] | None = None) -> tuple:
@@ -177,31 +220,46 @@ class TcpKvReceiver:
 
     def _receive_writes(self, conn: socket.socket, grant: WriteGrant) -> None:
         pool, alive = self.pool, grant.alive
-        segments = sorted(grant.segments)
-        starts = [start for start, _ in segments]
-
-        def granted(slot: int, n: int) -> bool:
-            i = bisect.bisect_right(starts, slot) - 1
-            return i >= 0 and slot + n <= segments[i][0] + segments[i][1]
-
+        segments = np.array(sorted(grant.segments), dtype=np.int64).reshape(-1, 2)
+        starts, ends = segments[:, 0], segments[:, 0] + segments[:, 1]
         while True:
             (op,) = _recv_struct(conn, _OP, alive)
             if op == _OP_END:
                 return
-            if op != _OP_WRITE:
+            if op != _OP_LAYER:
                 raise ValueError(f"unknown frame type {op}")
-            layer, kv, slot, n = _recv_struct(conn, _WRITE, alive)
-            if not (layer < pool.num_layers and kv < 2 and n > 0 and granted(slot, n)):
-                _reply(conn, grpc.StatusCode.PERMISSION_DENIED,
-                       f"write outside the reservation: layer {layer} kv {kv} slots [{slot}, {slot + n})")
-                raise ValueError("write outside the reservation")
-            target = pool.data[layer, kv, slot : slot + n]
+            layer, num_runs = _recv_struct(conn, _LAYER, alive)
+            if not (layer < pool.num_layers and 0 < num_runs <= pool.num_slots):
+                self._refuse(conn, f"a frame for layer {layer} with {num_runs} runs")
+            raw = bytearray(num_runs * _RUNS.itemsize)
+            _recv_exact(conn, memoryview(raw), alive)
+            runs = np.frombuffer(raw, dtype=_RUNS)
+            slot, n = runs["slot"].astype(np.int64), runs["n"].astype(np.int64)
+            seg = np.searchsorted(starts, slot, side="right") - 1
+            granted = (seg >= 0) & (n > 0) & (slot + n <= ends[np.maximum(seg, 0)])
+            if not granted.all():
+                bad = int(np.flatnonzero(~granted)[0])
+                self._refuse(conn, f"layer {layer} slots [{slot[bad]}, {slot[bad] + n[bad]})")
             if _through_host(pool):
-                staged = _host_buffer(target)
-                _recv_exact(conn, _writable_bytes(staged), alive)
-                target.copy_(staged)
+                self._receive_staged(conn, layer, slot, n, alive)
             else:
-                _recv_exact(conn, _writable_bytes(target), alive)
+                sb, pairs = pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
+                views = [v for kv in (0, 1) for v in _slot_views(_writable_bytes(pool.data[layer, kv]), sb, pairs)]
+                _recv_into_all(conn, views, alive)
+
+    def _receive_staged(self, conn: socket.socket, layer: int, slot: np.ndarray, n: np.ndarray,
+                        alive: Callable[[], bool]) -> None:
+        """A frame's payload into host memory, then into its slots with one indexed copy."""
+        pool = self.pool
+        rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
+        staged = _host_buffer(pool.data[layer, :, : len(rows)])
+        _recv_exact(conn, _writable_bytes(staged), alive)
+        scatter_to_slots(pool.data[layer], staged.to(pool.data.device, non_blocking=True), rows)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, what: str) -> None:
+        _reply(conn, grpc.StatusCode.PERMISSION_DENIED, f"write outside the reservation: {what}")
+        raise ValueError("write outside the reservation")
 
 
 def _reply(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
@@ -230,7 +288,7 @@ class TcpKvSession:
         rid = request_id.encode()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._queue.put(_BEGIN.pack(_MAGIC, len(rid), nonce) + rid)
+        self._queue.put([memoryview(_BEGIN.pack(_MAGIC, len(rid), nonce) + rid)])
         self._thread = threading.Thread(target=self._send_loop, name="tcp-kv-send", daemon=True)
         self._thread.start()
 
@@ -240,23 +298,24 @@ class TcpKvSession:
         return self._error is not None
 
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
-        if pieces and _through_host(self._pool):
+        """Queue the layer's frame: its header, then the K and V rows of the pieces."""
+        if not pieces:
+            return
+        runs = np.array([(p.dst_slot, p.num_slots) for p in pieces], dtype=_RUNS)
+        header = [memoryview(_OP.pack(_OP_LAYER) + _LAYER.pack(layer, len(pieces)) + runs.tobytes())]
+        if _through_host(self._pool):
             staged, wait_copied = _stage_on_host(self._pool, layer, pieces)
             self._queue.put(wait_copied)  # the sender thread waits here, not the forward
-            offsets = list(itertools.accumulate((p.num_slots for p in pieces), initial=0))
-            rows = [staged[:, offset : offset + p.num_slots] for offset, p in zip(offsets, pieces)]
+            self._queue.put(header + [_writable_bytes(staged)])
         else:
-            rows = [self._pool.data[layer, :, p.src_slot : p.src_slot + p.num_slots] for p in pieces]
-        for kv in (0, 1):
-            for p, piece_rows in zip(pieces, rows):
-                header = _OP.pack(_OP_WRITE) + _WRITE.pack(layer, kv, p.dst_slot, p.num_slots)
-                self._queue.put(header)
-                self._queue.put(piece_rows[kv])
+            sb, src = self._pool.slot_bytes(), [(p.src_slot, p.num_slots) for p in pieces]
+            self._queue.put(header + [v for kv in (0, 1)
+                                      for v in _slot_views(_writable_bytes(self._pool.data[layer, kv]), sb, src)])
         self._queue.put(layer)  # the sender reports the layer sent when it gets here
 
     def finish(self) -> None:
         """Send END and wait for the receiver's verdict; raises TransferError."""
-        self._queue.put(_OP.pack(_OP_END))
+        self._queue.put([memoryview(_OP.pack(_OP_END))])
         self._queue.put(None)
         self._thread.join()
         try:
@@ -299,6 +358,6 @@ class TcpKvSession:
                     item()
                     continue
                 self._sock.settimeout(self._remaining())
-                self._sock.sendall(item if isinstance(item, bytes) else _writable_bytes(item))
+                _send_all(self._sock, item)
             except Exception as exc:  # not only OSError: a sender thread must never die silently
                 self._error = exc  # keep draining; finish() reports it (after reading any reply)
