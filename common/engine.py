@@ -75,7 +75,7 @@ class Engine:
         """Grow the page table to hold `num_tokens` positions, evicting cold cached prefixes
         if needed; raises OutOfPages (leaving the sequence unchanged) when the pool is full."""
         last = seq.pages[-1] if seq.pages and seq.pages[-1] != RELEASED else None
-        new = self.prefix_cache.allocate(self.pages_needed(seq, num_tokens), after=last)
+        new = self.prefix_cache.allocate_contiguous(self.pages_needed(seq, num_tokens), after=last)
         seq.pages.extend(new)
         return new
 

@@ -52,6 +52,10 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
+    def largest_free_run(self) -> int:
+        """Length of the longest run of consecutive free pages."""
+        return self._lengths[-1] if self._lengths else 0
+
     def free_extents(self) -> list[tuple[int, int]]:
         """The free pages as (first page, length) runs, in page order."""
         return sorted(self._length_at.items())

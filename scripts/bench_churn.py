@@ -10,9 +10,11 @@ some start with one of a few shared "system prompts", some extend an earlier pro
 the prefix cache). No KV is actually sent: only where the decode node places it matters here.
 
 Reported: the distribution of segments per reservation (`kv_append_metadata[0]`) and of pages
-per segment. With `--save-layouts FILE`, at the end (the pool still churned and as full) it
-reserves a fresh prompt of each of `--layout-tokens` sizes, churns on, reserves another, and saves
-their slot runs for `scripts/bench_transfer.py`'s `churned` layout (as source and destination).
+per segment, and PrepareReceive's latency in the churned pool (evictions included).
+
+With `--save-layouts FILE`, at the end (the pool still churned and as full) it reserves a fresh
+prompt of each of `--layout-tokens` sizes, churns on, reserves another, and saves their slot
+runs for `scripts/bench_transfer.py`'s `churned` layout (as source and destination).
 
 Usage: python -m scripts.bench_churn [--requests N] [--kv-pages P] [--save-layouts FILE]
 """
@@ -59,6 +61,7 @@ class Churn:
         self.serial = 0
         self.segments: list[int] = []  # per reservation with at least one slot
         self.pages_per_segment: list[int] = []
+        self.prepare_ms: list[float] = []  # PrepareReceive latency, client side
         self.counts = Counter()
 
     def _random(self, n: int) -> list[int]:
@@ -82,7 +85,10 @@ class Churn:
         self.serial += 1
         rid = f"churn-{self.serial}"
         try:
+            started = time.perf_counter()
             r = self.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=tokens), timeout=30)
+            if record:
+                self.prepare_ms.append(1e3 * (time.perf_counter() - started))
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise
@@ -187,6 +193,9 @@ def report(churn: Churn, load: pb.NodeLoad, args: argparse.Namespace, seconds: f
           f"{load.kv_pages_free} free ({seconds:.0f} s)")
     print(f"segments per reservation: {distribution(seg)}")
     print(f"pages per segment:        {distribution(pps)}")
+    ms = sorted(churn.prepare_ms)
+    print(f"PrepareReceive (gRPC, client side): p50 {statistics.median(ms):.2f} ms, "
+          f"p99 {ms[int(0.99 * (len(ms) - 1))]:.2f} ms")
     share_one = sum(1 for s in seg if s == 1) / len(seg)
     print(f"reservations in one segment: {share_one:.0%}; goal median segments <= 2: "
           f"{'PASS' if statistics.median(seg) <= 2 else 'MISS'}")
