@@ -23,8 +23,8 @@ else holds a page, so in-use leaves are found when eviction reaches them and ski
 `allocate_contiguous` (what sequences reserve with) lets contiguity choose what to evict: when
 the free pages hold no run of the size asked for, it frees the cheapest window of that many
 consecutive pages that are free or evictable (the least recently used one, then the one evicting
-fewest pages), so the reservation is one run of slots instead of the scattered pages LRU order
-alone would free.
+fewest pages), or failing that the fewest runs of such pages, so the reservation is one or a few
+runs of slots instead of the scattered pages LRU order alone would free.
 
 LRU uses a min-heap of `(last_access, serial, node)` for leaves with lazy invalidation: a
 touch pushes a fresh entry and older ones are recognised as stale when popped. Stale entries are
@@ -226,12 +226,12 @@ class PrefixCache:
     def allocate_contiguous(self, n: int, after: int | None = None) -> list[int]:
         """`allocate`, except that when no run of `n` free pages exists, the cached pages in the
         cheapest window of `n` consecutive free-or-evictable pages are evicted (with whatever
-        hangs below them: it cannot be matched without them), so the pages come as one run."""
+        hangs below them: it cannot be matched without them), so the pages come as one run; with
+        no such window, those in the fewest runs of free-or-evictable pages that hold `n`."""
         if n > 1 and self.allocator.largest_free_run() < n:
             evictable = self._evictable_nodes()
-            window = _cheapest_window(self.allocator, evictable, n)
-            if window is not None:
-                for page in range(window, window + n):
+            for start, length in _spans_to_free(self.allocator, evictable, n):
+                for page in range(start, start + length):
                     if page in evictable and not evictable[page][0].removed:
                         self._remove_subtree(evictable[page][0])
         return self.allocate(n, after)
@@ -323,12 +323,12 @@ class PrefixCache:
         self.allocator.decref([node.page])
 
 
-def _cheapest_window(allocator: PageAllocator, evictable: dict[int, tuple[_Node, int]], n: int) -> int | None:
-    """The first page of the `n`-page window of free or evictable pages whose most recently used
-    evictable page is the least recent, then that evicts fewest pages; None if there is none."""
+def _spans_to_free(allocator: PageAllocator, evictable: dict[int, tuple[_Node, int]], n: int) -> list[tuple[int, int]]:
+    """(first page, length) spans of free or evictable pages, `n` pages in all, as few as there
+    can be: the window whose most recently used evictable page is the least recent (then the one
+    evicting fewest pages) when one span can hold `n`; else the longest runs, the last one best
+    fit. Empty when the free and evictable pages together are fewer than `n`."""
     num_pages = allocator.num_pages
-    if n > num_pages:
-        return None
     cost = np.full(num_pages, np.inf)  # in use: never
     for start, length in allocator.free_extents():
         cost[start : start + length] = -1.0  # free: nothing lost
@@ -336,13 +336,21 @@ def _cheapest_window(allocator: PageAllocator, evictable: dict[int, tuple[_Node,
     for page, (_, last_access) in evictable.items():
         cost[page] = last_access
         evicted[page + 1] = 1
-    worst = _sliding_max(cost, n)
-    if not np.isfinite(worst.min()):
-        return None
-    counts = np.cumsum(evicted)
-    losses = counts[n:] - counts[:-n]
-    best = np.lexsort((losses, worst))[0]
-    return int(best)
+    if n <= num_pages:
+        worst = _sliding_max(cost, n)
+        if np.isfinite(worst.min()):
+            counts = np.cumsum(evicted)
+            return [(int(np.lexsort((counts[n:] - counts[:-n], worst))[0]), n)]
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.isfinite(cost).astype(np.int8), [0]])))
+    runs = sorted(zip((edges[1::2] - edges[::2]).tolist(), edges[::2].tolist()), reverse=True)
+    spans, need = [], n
+    while need > 0 and runs:
+        fit = min((r for r in runs if r[0] >= need), default=None)
+        length, start = fit or runs[0]
+        spans.append((start, min(length, need)))
+        need -= min(length, need)
+        runs.remove(fit or runs[0])
+    return spans if need == 0 else []
 
 
 def _sliding_max(values: np.ndarray, n: int) -> np.ndarray:

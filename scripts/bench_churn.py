@@ -60,6 +60,7 @@ class Churn:
         self.live: list[Live] = []
         self.serial = 0
         self.segments: list[int] = []  # per reservation with at least one slot
+        self.reserved_tokens: list[int] = []  # of the same reservations
         self.pages_per_segment: list[int] = []
         self.prepare_ms: list[float] = []  # PrepareReceive latency, client side
         self.counts = Counter()
@@ -97,6 +98,7 @@ class Churn:
         md = list(r.kv_append_metadata)
         if record and md[0]:
             self.segments.append(md[0])
+            self.reserved_tokens.append(r.kv_window_end - r.kv_window_begin)
             for i in range(md[0]):
                 start, length = md[1 + 2 * i], md[2 + 2 * i]
                 self.pages_per_segment.append((start + length - 1) // PAGE_SIZE - start // PAGE_SIZE + 1)
@@ -193,6 +195,12 @@ def report(churn: Churn, load: pb.NodeLoad, args: argparse.Namespace, seconds: f
           f"{load.kv_pages_free} free ({seconds:.0f} s)")
     print(f"segments per reservation: {distribution(seg)}")
     print(f"pages per segment:        {distribution(pps)}")
+    lo = 0
+    for hi in (256, 1024, 4096):
+        sized = [n for n, t in zip(seg, churn.reserved_tokens) if lo < t <= hi]
+        if sized:
+            print(f"  reservations of {lo + 1}-{hi} tokens ({len(sized)}): segments {distribution(sized)}")
+        lo = hi
     ms = sorted(churn.prepare_ms)
     print(f"PrepareReceive (gRPC, client side): p50 {statistics.median(ms):.2f} ms, "
           f"p99 {ms[int(0.99 * (len(ms) - 1))]:.2f} ms")
@@ -201,6 +209,7 @@ def report(churn: Churn, load: pb.NodeLoad, args: argparse.Namespace, seconds: f
           f"{'PASS' if statistics.median(seg) <= 2 else 'MISS'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"segments_per_reservation": seg, "pages_per_segment": pps,
+                                               "reserved_tokens": churn.reserved_tokens,
                                                "counts": dict(churn.counts)}))
 
 

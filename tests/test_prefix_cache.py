@@ -533,12 +533,15 @@ def test_allocate_contiguous_evicts_a_window_to_give_one_run() -> None:
     assert cache.matched_length([3] * PS + [0]) == PS  # the more recent entries survive
 
 
-def test_allocate_contiguous_falls_back_to_lru_when_no_window_exists() -> None:
-    allocator, cache = make(num_pages=4)
-    assert cache.allocate(4) == [0, 1, 2, 3]
-    cache_page(cache, 1, 0)
-    allocator.decref([2])  # 0 cached, 2 free, 1 and 3 held: no run of 2 can be made
-    assert sorted(cache.allocate_contiguous(2)) == [0, 2] and cache.num_cached_pages == 0
+def test_allocate_contiguous_takes_the_fewest_runs_when_no_window_exists() -> None:
+    allocator, cache = make(num_pages=8)
+    assert cache.allocate(8) == list(range(8))
+    for token, page in ((1, 0), (2, 3), (3, 4), (4, 6)):
+        cache_page(cache, token, page)
+    allocator.decref([5])  # runs of free or cached pages: [0], [3, 4, 5], [6]; 1, 2, 7 held
+    got = cache.allocate_contiguous(4)
+    assert sorted(got) == [0, 3, 4, 5] or sorted(got) == [3, 4, 5, 6]  # two runs, not three
+    assert all(allocator.refcount(p) == 1 for p in (1, 2, 7))
 
 
 @settings(max_examples=100, deadline=None)
@@ -562,6 +565,9 @@ def test_allocate_contiguous_gives_one_run_whenever_free_and_cache_only_pages_ma
                 assert sum(takeable) < n
                 continue
             assert len(set(got)) == n and not set(got) & held and all(allocator.refcount(p) == 1 for p in got)
+            runs = [sum(1 for _ in group) for ok, group in itertools.groupby(takeable) if ok]
+            fewest = next(k for k in range(1, len(runs) + 1) if sum(sorted(runs, reverse=True)[:k]) >= n)
+            assert sum(1 for i, p in enumerate(got) if i == 0 or got[i - 1] + 1 != p) == fewest, got
             if window:
                 assert got == list(range(got[0], got[0] + n)), got
             live.append(got)
