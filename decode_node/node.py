@@ -159,7 +159,7 @@ class DecodeNode:
                 lambda: self._admitted_sequence(request_id, tokens, resolved, receiving=True),
                 cancelled, deadline)
             matched = seq.num_computed
-            slots = self.engine.pool.slots_for(seq.pages, begin, resolved).tolist() if resolved > begin else []
+            slots = self.engine.pool.slots_for(seq.pages, begin, resolved) if resolved > begin else []
             metadata = encode_segments(slots)
             lease_deadline = time.time() + self.config.lease_seconds
             reservation = Reservation(request_id, seq, matched, resolved, decode_segments(metadata),
