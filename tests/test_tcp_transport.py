@@ -1,8 +1,9 @@
 """The TCP fallback's receiver: bytes land in exactly the granted slots; anything else is refused.
 
-Each test runs twice: reading and writing the pool in place (a pool in host memory), and staged
-through host buffers, the path of a pool in GPU memory (here on the CPU: gather, staging copies
-and offsets are the same; pinning and the CUDA event are what only a GPU adds)."""
+Each test runs three times: reading and writing the pool in place (a pool in host memory, long
+runs), staged through host buffers, the path of a pool in GPU memory (here on the CPU: gather,
+staging copies and offsets are the same; pinning and the CUDA event are what only a GPU adds),
+and a host pool's short runs (gathered into one buffer, received into one and scattered)."""
 from __future__ import annotations
 
 import time
@@ -19,10 +20,12 @@ from common.transports import tcp_transport
 from common.transports.tcp_transport import TcpKvReceiver, TcpKvSession, WriteGrant
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["in-place", "staged"])
+@pytest.fixture(autouse=True, params=["in-place", "staged", "short-runs"])
 def staged(request, monkeypatch) -> bool:
-    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: request.param)
-    return request.param
+    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: request.param == "staged")
+    if request.param == "in-place":  # these runs are short: send and receive them in place all the same
+        monkeypatch.setattr(tcp_transport, "_STAGE_BELOW", 0)
+    return request.param == "staged"
 
 
 def _pools():

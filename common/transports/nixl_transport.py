@@ -7,9 +7,9 @@ out ``metadata()`` (NIXL agent metadata: connection info plus the registration) 
 metadata and posts ``write``s: one NIXL transfer per call, one descriptor per (address, nbytes)
 range, optionally carrying a notification. For the hot path both sides are described once as
 blocks (``prepare_local``, ``prepare_remote``: NIXL's prepared descriptor lists), and
-``write_blocks`` passes only block indices (NIXL's prepared transfers). The decode node learns about completed transfers by
-polling :meth:`NixlTarget.poll_notifications`; a notification is delivered only after the data
-of its transfer is in place.
+``write_blocks`` passes only block indices (NIXL's prepared transfers). The decode node learns
+about completed transfers by polling :meth:`NixlTarget.poll_notifications`; a notification is
+delivered only after the data of its transfer is in place.
 
 Environment (read by UCX when an agent's backend is created, i.e. set it before constructing
 either class, in every process):

@@ -3,7 +3,10 @@
 One connection per transfer, one frame per layer. The sender sends a layer's K and V runs with
 gather I/O (`sendmsg` of the pool's slot views: no staging copy); the receiver checks every run
 of the frame against the reservation it was told about, then receives the payload with scatter
-I/O (`recvmsg_into` straight into the slots' views). Wire format (little-endian):
+I/O (`recvmsg_into` straight into the slots' views). Short runs (a page or two each, below
+_STAGE_BELOW bytes on average) cost more per view than they carry, so such a frame is gathered
+into one buffer by the sender's thread and received into one staging buffer that one indexed
+copy scatters into the slots. Wire format (little-endian):
 
     BEGIN  b"DKV2" | u16 id_len | u64 nonce | request_id
     LAYER  u8 3 | u16 layer | u32 num_runs | num_runs * (u64 dst_slot, u32 num_slots)
@@ -52,7 +55,12 @@ _LAYER = struct.Struct("<HI")
 _RUNS = np.dtype([("slot", "<u8"), ("n", "<u4")])  # a LAYER frame's runs
 _REPLY = struct.Struct("<BI")
 _OP_END, _OP_LAYER = 2, 3
-_IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
+# Buffers per sendmsg / recvmsg_into call (Linux allows 1024): a call moves at most what the
+# socket buffer holds, and passing many more views than that costs Python time on every call.
+_IOV_BATCH = 64
+# A frame whose runs average fewer bytes than this lands in one staging buffer and is then
+# scattered with one indexed copy: cheaper than receiving into many small slot views.
+_STAGE_BELOW = 64 * 1024
 MAX_REQUEST_ID_BYTES = 1024
 BEGIN_TIMEOUT_S = 10.0  # a connection must say which reservation it writes within this
 POLL_S = 1.0  # how often a receiver waiting for bytes checks its reservation is still alive
@@ -93,7 +101,7 @@ def _recv_into_all(sock: socket.socket, views: list[memoryview], alive: Callable
     i = 0
     while i < len(views):
         try:
-            n = sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
+            n = sock.recvmsg_into(views[i : i + _IOV_BATCH])[0]
         except TimeoutError:
             if alive():
                 continue
@@ -107,7 +115,7 @@ def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
     """Send `views` in order with gather I/O."""
     i = 0
     while i < len(views):
-        i = _advance(views, i, sock.sendmsg(views[i : i + _IOV_MAX]))
+        i = _advance(views, i, sock.sendmsg(views[i : i + _IOV_BATCH]))
 
 
 def _advance(views: list[memoryview], i: int, n: int) -> int:
@@ -148,12 +156,17 @@ def _host_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
 
 
+def _gathered(pool: KVPool, layer: int, pieces: list[Piece]) -> torch.Tensor:
+    """`[2, rows, heads, head_dim]`: the layer's K and V at the pieces' source slots, in order."""
+    slots = torch.cat([torch.arange(p.src_slot, p.src_slot + p.num_slots) for p in pieces])
+    return gather_from_slots(pool.data[layer], slots)
+
+
 def _stage_on_host(pool: KVPool, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor, Callable[[], None]]:
     """`[2, rows, heads, head_dim]` host copy of the layer's K/V at the pieces' source slots (in
     piece order), and a function that waits until the copy has landed. Called on the forward
     thread, so the gather is queued after the layer's compute on the same stream."""
-    slots = torch.cat([torch.arange(p.src_slot, p.src_slot + p.num_slots) for p in pieces])
-    gathered = gather_from_slots(pool.data[layer], slots)
+    gathered = _gathered(pool, layer, pieces)
     host = _host_buffer(gathered)
     host.copy_(gathered, non_blocking=gathered.is_cuda)
     if not gathered.is_cuda:
@@ -240,7 +253,7 @@ class TcpKvReceiver:
             if not granted.all():
                 bad = int(np.flatnonzero(~granted)[0])
                 self._refuse(conn, f"layer {layer} slots [{slot[bad]}, {slot[bad] + n[bad]})")
-            if _through_host(pool):
+            if _through_host(pool) or int(n.sum()) * pool.slot_bytes() < _STAGE_BELOW * len(n):
                 self._receive_staged(conn, layer, slot, n, alive)
             else:
                 sb, pairs = pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
@@ -303,14 +316,17 @@ class TcpKvSession:
             return
         runs = np.array([(p.dst_slot, p.num_slots) for p in pieces], dtype=_RUNS)
         header = [memoryview(_OP.pack(_OP_LAYER) + _LAYER.pack(layer, len(pieces)) + runs.tobytes())]
-        if _through_host(self._pool):
-            staged, wait_copied = _stage_on_host(self._pool, layer, pieces)
+        pool, sb = self._pool, self._pool.slot_bytes()
+        if _through_host(pool):
+            staged, wait_copied = _stage_on_host(pool, layer, pieces)
             self._queue.put(wait_copied)  # the sender thread waits here, not the forward
             self._queue.put(header + [_writable_bytes(staged)])
+        elif sum(p.num_slots for p in pieces) * sb < _STAGE_BELOW * len(pieces):  # short runs: one buffer
+            self._queue.put(lambda: header + [_writable_bytes(_gathered(pool, layer, pieces))])
         else:
-            sb, src = self._pool.slot_bytes(), [(p.src_slot, p.num_slots) for p in pieces]
-            self._queue.put(header + [v for kv in (0, 1)
-                                      for v in _slot_views(_writable_bytes(self._pool.data[layer, kv]), sb, src)])
+            src = [(p.src_slot, p.num_slots) for p in pieces]
+            self._queue.put(header + [view for kv in (0, 1)
+                                      for view in _slot_views(_writable_bytes(pool.data[layer, kv]), sb, src)])
         self._queue.put(layer)  # the sender reports the layer sent when it gets here
 
     def finish(self) -> None:
@@ -354,9 +370,10 @@ class TcpKvSession:
                 self._on_layer_done(item)
                 continue
             try:
-                if callable(item):  # a staged layer: wait for its device-to-host copy
-                    item()
-                    continue
+                if callable(item):  # a staged layer's device-to-host copy to wait for, or a gather to make
+                    item = item()
+                    if item is None:
+                        continue
                 self._sock.settimeout(self._remaining())
                 _send_all(self._sock, item)
             except Exception as exc:  # not only OSError: a sender thread must never die silently
