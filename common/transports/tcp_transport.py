@@ -5,8 +5,9 @@ gather I/O (`sendmsg` of the pool's slot views: no staging copy); the receiver c
 of the frame against the reservation it was told about, then receives the payload with scatter
 I/O (`recvmsg_into` straight into the slots' views). Short runs (a page or two each, below
 _STAGE_BELOW bytes on average) cost more per view than they carry, so such a frame is gathered
-into one buffer by the sender's thread and received into one staging buffer that one indexed
-copy scatters into the slots. Wire format (little-endian):
+into one buffer where the layer is posted (one indexed copy, like a GPU pool's) and received
+into one staging buffer that one indexed copy scatters into the slots, on a helper thread while
+the next frame arrives. Wire format (little-endian):
 
     BEGIN  b"DKV2" | u16 id_len | u64 nonce | request_id
     LAYER  u8 3 | u16 layer | u32 num_runs | num_runs * (u64 dst_slot, u32 num_slots)
@@ -33,7 +34,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -232,6 +234,37 @@ class TcpKvReceiver:
             self._slots.release()
 
     def _receive_writes(self, conn: socket.socket, grant: WriteGrant) -> None:
+        """Receive frames until END. A host pool's staged frames are scattered on a helper thread
+        (torch's copy runs without the GIL) while the next frame arrives; all are done on return."""
+        on_host = not self.pool.data.is_cuda
+        scatters = ThreadPoolExecutor(1, thread_name_prefix="tcp-kv-scatter") if on_host else None
+        pending: Future | None = None
+        try:
+            for layer, slot, n in self._frames(conn, grant):
+                if not (_through_host(self.pool) or int(n.sum()) * self.pool.slot_bytes() < _STAGE_BELOW * len(n)):
+                    sb, pairs = self.pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
+                    views = [view for kv in (0, 1)
+                             for view in _slot_views(_writable_bytes(self.pool.data[layer, kv]), sb, pairs)]
+                    _recv_into_all(conn, views, grant.alive)
+                    continue
+                rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
+                staged = _host_buffer(self.pool.data[layer, :, : len(rows)])
+                _recv_exact(conn, _writable_bytes(staged), grant.alive)
+                if pending is not None:
+                    pending.result()
+                if scatters is None:
+                    self._scatter(layer, staged, rows)
+                else:
+                    pending = scatters.submit(self._scatter, layer, staged, rows)
+            if pending is not None:
+                pending.result()
+        finally:
+            if scatters is not None:
+                scatters.shutdown(wait=True)
+
+    def _frames(self, conn: socket.socket, grant: WriteGrant) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Each LAYER frame's layer and runs (first slots, lengths), checked against the grant,
+        until END; its payload must be read before the next one is asked for."""
         pool, alive = self.pool, grant.alive
         segments = np.array(sorted(grant.segments), dtype=np.int64).reshape(-1, 2)
         starts, ends = segments[:, 0], segments[:, 0] + segments[:, 1]
@@ -253,21 +286,11 @@ class TcpKvReceiver:
             if not granted.all():
                 bad = int(np.flatnonzero(~granted)[0])
                 self._refuse(conn, f"layer {layer} slots [{slot[bad]}, {slot[bad] + n[bad]})")
-            if _through_host(pool) or int(n.sum()) * pool.slot_bytes() < _STAGE_BELOW * len(n):
-                self._receive_staged(conn, layer, slot, n, alive)
-            else:
-                sb, pairs = pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
-                views = [v for kv in (0, 1) for v in _slot_views(_writable_bytes(pool.data[layer, kv]), sb, pairs)]
-                _recv_into_all(conn, views, alive)
+            yield layer, slot, n
 
-    def _receive_staged(self, conn: socket.socket, layer: int, slot: np.ndarray, n: np.ndarray,
-                        alive: Callable[[], bool]) -> None:
-        """A frame's payload into host memory, then into its slots with one indexed copy."""
-        pool = self.pool
-        rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
-        staged = _host_buffer(pool.data[layer, :, : len(rows)])
-        _recv_exact(conn, _writable_bytes(staged), alive)
-        scatter_to_slots(pool.data[layer], staged.to(pool.data.device, non_blocking=True), rows)
+    def _scatter(self, layer: int, staged: torch.Tensor, rows: torch.Tensor) -> None:
+        """A staged frame into its slots with one indexed copy."""
+        scatter_to_slots(self.pool.data[layer], staged.to(self.pool.data.device, non_blocking=True), rows)
 
     @staticmethod
     def _refuse(conn: socket.socket, what: str) -> None:
@@ -321,8 +344,8 @@ class TcpKvSession:
             staged, wait_copied = _stage_on_host(pool, layer, pieces)
             self._queue.put(wait_copied)  # the sender thread waits here, not the forward
             self._queue.put(header + [_writable_bytes(staged)])
-        elif sum(p.num_slots for p in pieces) * sb < _STAGE_BELOW * len(pieces):  # short runs: one buffer
-            self._queue.put(lambda: header + [_writable_bytes(_gathered(pool, layer, pieces))])
+        elif sum(p.num_slots for p in pieces) * sb < _STAGE_BELOW * len(pieces):  # short runs: one buffer,
+            self._queue.put(header + [_writable_bytes(_gathered(pool, layer, pieces))])  # gathered here
         else:
             src = [(p.src_slot, p.num_slots) for p in pieces]
             self._queue.put(header + [view for kv in (0, 1)
@@ -370,10 +393,9 @@ class TcpKvSession:
                 self._on_layer_done(item)
                 continue
             try:
-                if callable(item):  # a staged layer's device-to-host copy to wait for, or a gather to make
-                    item = item()
-                    if item is None:
-                        continue
+                if callable(item):  # a staged layer: wait for its device-to-host copy
+                    item()
+                    continue
                 self._sock.settimeout(self._remaining())
                 _send_all(self._sock, item)
             except Exception as exc:  # not only OSError: a sender thread must never die silently
