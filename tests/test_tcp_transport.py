@@ -112,3 +112,23 @@ def test_a_failed_device_copy_fails_the_transfer(monkeypatch):
         assert session.failed and not dst.data.any()
     finally:
         receiver.close()
+
+
+def test_frames_of_changing_sizes_land_exactly():
+    """Each layer sends a different set of runs (larger, then smaller): reused staging buffers
+    must not misplace rows."""
+    src, dst = _pools()
+    segments = [(0, 8), (12, 4), (20, 8)]
+    receiver = _receiver(dst, segments, [])
+    try:
+        per_layer = [[Piece(0, 0, 8), Piece(9, 12, 4), Piece(16, 20, 8)], [Piece(4, 20, 3)], [Piece(1, 1, 6)]]
+        session = TcpKvSession(receiver.address, src, "r", 7)
+        for layer, pieces in enumerate(per_layer):
+            session.post_layer(layer, pieces)
+        session.finish()
+        for layer, pieces in enumerate(per_layer):
+            for p in pieces:
+                assert torch.equal(dst.data[layer, :, p.dst_slot : p.dst_slot + p.num_slots],
+                                   src.data[layer, :, p.src_slot : p.src_slot + p.num_slots])
+    finally:
+        receiver.close()

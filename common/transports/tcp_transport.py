@@ -29,6 +29,7 @@ scatters it into the slots with one indexed copy.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import socket
 import struct
@@ -164,6 +165,13 @@ def _gathered(pool: KVPool, layer: int, pieces: list[Piece]) -> torch.Tensor:
     return gather_from_slots(pool.data[layer], slots)
 
 
+def _at_least(buffer: torch.Tensor | None, like: torch.Tensor, numel: int) -> torch.Tensor:
+    """`buffer` if it holds `numel` elements, else a new flat one of `like`'s dtype that does."""
+    if buffer is not None and buffer.numel() >= numel:
+        return buffer
+    return like.new_empty(numel)
+
+
 def _stage_on_host(pool: KVPool, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor, Callable[[], None]]:
     """`[2, rows, heads, head_dim]` host copy of the layer's K/V at the pieces' source slots (in
     piece order), and a function that waits until the copy has landed. Called on the forward
@@ -239,6 +247,7 @@ class TcpKvReceiver:
         on_host = not self.pool.data.is_cuda
         scatters = ThreadPoolExecutor(1, thread_name_prefix="tcp-kv-scatter") if on_host else None
         pending: Future | None = None
+        buffers: list[torch.Tensor | None] = [None, None]
         try:
             for layer, slot, n in self._frames(conn, grant):
                 if not (_through_host(self.pool) or int(n.sum()) * self.pool.slot_bytes() < _STAGE_BELOW * len(n)):
@@ -248,7 +257,12 @@ class TcpKvReceiver:
                     _recv_into_all(conn, views, grant.alive)
                     continue
                 rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
-                staged = _host_buffer(self.pool.data[layer, :, : len(rows)])
+                shape = (2, len(rows), *self.pool.data.shape[3:])
+                if on_host:  # two buffers, reused: one is received into while the other is scattered
+                    buffers[0], buffers[1] = buffers[1], _at_least(buffers[0], self.pool.data, math.prod(shape))
+                    staged = buffers[1][: math.prod(shape)].view(shape)
+                else:
+                    staged = _host_buffer(self.pool.data[layer, :, : len(rows)])
                 _recv_exact(conn, _writable_bytes(staged), grant.alive)
                 if pending is not None:
                     pending.result()
