@@ -74,7 +74,8 @@ class Engine:
     def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Grow the page table to hold `num_tokens` positions, evicting cold cached prefixes
         if needed; raises OutOfPages (leaving the sequence unchanged) when the pool is full."""
-        new = self.prefix_cache.allocate(self.pages_needed(seq, num_tokens))
+        last = seq.pages[-1] if seq.pages and seq.pages[-1] != RELEASED else None
+        new = self.prefix_cache.allocate_contiguous(self.pages_needed(seq, num_tokens), after=last)
         seq.pages.extend(new)
         return new
 

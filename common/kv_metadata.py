@@ -12,21 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 
 class MetadataError(ValueError):
     """`kv_append_metadata` is malformed or does not fit the request or the pool."""
 
 
-def encode_segments(slots: Sequence[int]) -> list[int]:
+def encode_segments(slots: Sequence[int] | np.ndarray) -> list[int]:
     """Compress slots (in position order) into metadata with maximal runs; `[]` -> `[0]`."""
-    segments: list[list[int]] = []
-    for slot in slots:
-        slot = int(slot)
-        if segments and segments[-1][0] + segments[-1][1] == slot:
-            segments[-1][1] += 1
-        else:
-            segments.append([slot, 1])
-    return [len(segments)] + [x for seg in segments for x in seg]
+    a = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if a.size == 0:
+        return [0]
+    firsts = np.concatenate([[0], np.flatnonzero(np.diff(a) != 1) + 1])
+    lengths = np.diff(np.concatenate([firsts, [a.size]]))
+    return [len(firsts)] + np.column_stack([a[firsts], lengths]).ravel().tolist()
 
 
 def decode_segments(metadata: Sequence[int]) -> list[tuple[int, int]]:

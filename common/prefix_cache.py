@@ -20,6 +20,12 @@ on a tail page it hands over. A page is evictable when the cache is its only hol
 and cascades up as parents become leaves. The allocator's refcounts are the only record of who
 else holds a page, so in-use leaves are found when eviction reaches them and skipped.
 
+`allocate_contiguous` (what sequences reserve with) lets contiguity choose what to evict: when
+the free pages hold no run of the size asked for, it frees the cheapest window of that many
+consecutive pages that are free or evictable (the least recently used one, then the one evicting
+fewest pages), or failing that the fewest runs of such pages, so the reservation is one or a few
+runs of slots instead of the scattered pages LRU order alone would free.
+
 LRU uses a min-heap of `(last_access, serial, node)` for leaves with lazy invalidation: a
 touch pushes a fresh entry and older ones are recognised as stale when popped. Stale entries are
 compacted away once they outnumber live nodes, so the heap stays O(cached pages).
@@ -31,6 +37,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
 
 from common.page_allocator import OutOfPages, PageAllocator
 
@@ -165,8 +173,13 @@ class PrefixCache:
     def evictable_pages(self) -> int:
         """How many pages `evict` could free now: nodes whose whole subtree is held only by the
         cache. O(cached pages), since other holders' refcounts change without telling the cache."""
-        count = 0
-        evictable: dict[int, bool] = {}  # by serial, for nodes whose kids are all decided
+        return len(self._evictable_nodes())
+
+    def _evictable_nodes(self) -> dict[int, tuple[_Node, int]]:
+        """By page: the nodes whose whole subtree is held only by the cache, each with the
+        latest access in its subtree (what evicting it costs)."""
+        evictable: dict[int, tuple[_Node, int]] = {}
+        decided: dict[int, int | None] = {}  # by serial: subtree's latest access, None if not evictable
         # Iterative post-order: the trie can be deeper than Python's recursion limit.
         stack: list[tuple[_Node, bool]] = [(c, False) for c in self._root.kids()]
         while stack:
@@ -175,11 +188,12 @@ class PrefixCache:
                 stack.append((node, True))
                 stack.extend((c, False) for c in node.kids())
                 continue
-            kids_ok = [evictable.pop(c.serial) for c in node.kids()]
-            ok = all(kids_ok) and self.allocator.refcount(node.page) == 1
-            evictable[node.serial] = ok
-            count += ok
-        return count
+            kids = [decided.pop(c.serial) for c in node.kids()]
+            ok = None not in kids and self.allocator.refcount(node.page) == 1
+            decided[node.serial] = max([node.last_access, *kids]) if ok else None
+            if ok:
+                evictable[node.page] = (node, decided[node.serial])
+        return evictable
 
     def clear(self) -> None:
         """Drop every cache reference (pages still held by sequences stay allocated)."""
@@ -194,8 +208,9 @@ class PrefixCache:
         self._num_nodes = 0
         self._heap.clear()
 
-    def allocate(self, n: int) -> list[int]:
-        """Allocate `n` pages, evicting LRU cache pages first if the free list is short.
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Allocate `n` pages (continuing page `after`'s run where free: see
+        `PageAllocator.allocate`), evicting LRU cache pages first if the free list is short.
 
         Raises `OutOfPages` (with `free` counting evictable pages too) without evicting anything
         when even evicting every evictable page would not be enough.
@@ -206,7 +221,33 @@ class PrefixCache:
             if evictable < short:
                 raise OutOfPages(n, self.allocator.num_free + evictable)
             self.evict(short)
-        return self.allocator.allocate(n)
+        return self.allocator.allocate(n, after)
+
+    def allocate_contiguous(self, n: int, after: int | None = None) -> list[int]:
+        """`allocate`, except that when no run of `n` free pages exists, the cached pages in the
+        cheapest window of `n` consecutive free-or-evictable pages are evicted (with whatever
+        hangs below them: it cannot be matched without them), so the pages come as one run; with
+        no such window, those in the fewest runs of free-or-evictable pages that hold `n`."""
+        if n > 1 and self.allocator.largest_free_run() < n:
+            evictable = self._evictable_nodes()
+            for start, length in _spans_to_free(self.allocator, evictable, n):
+                for page in range(start, start + length):
+                    if page in evictable and not evictable[page][0].removed:
+                        self._remove_subtree(evictable[page][0])
+        return self.allocate(n, after)
+
+    def _remove_subtree(self, top: _Node) -> None:
+        """Evict a node and everything below it (all held only by the cache)."""
+        order, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.kids())
+        for node in reversed(order):  # children before their parents
+            self._remove_leaf(node)
+        parent = top.parent
+        if parent is not self._root and parent.is_leaf():
+            self._push(parent)
 
     def _lookup(self, token_ids: Sequence[int]) -> tuple[list[_Node], _Node | None, int]:
         """The matching path of full pages, then the tail (with its matched token count) that
@@ -280,3 +321,42 @@ class PrefixCache:
     def _remove_leaf(self, node: _Node) -> None:
         self._detach(node)
         self.allocator.decref([node.page])
+
+
+def _spans_to_free(allocator: PageAllocator, evictable: dict[int, tuple[_Node, int]], n: int) -> list[tuple[int, int]]:
+    """(first page, length) spans of free or evictable pages, `n` pages in all, as few as there
+    can be: the window whose most recently used evictable page is the least recent (then the one
+    evicting fewest pages) when one span can hold `n`; else the longest runs, the last one best
+    fit. Empty when the free and evictable pages together are fewer than `n`."""
+    num_pages = allocator.num_pages
+    cost = np.full(num_pages, np.inf)  # in use: never
+    for start, length in allocator.free_extents():
+        cost[start : start + length] = -1.0  # free: nothing lost
+    evicted = np.zeros(num_pages + 1, dtype=np.int64)
+    for page, (_, last_access) in evictable.items():
+        cost[page] = last_access
+        evicted[page + 1] = 1
+    if n <= num_pages:
+        worst = _sliding_max(cost, n)
+        if np.isfinite(worst.min()):
+            counts = np.cumsum(evicted)
+            return [(int(np.lexsort((counts[n:] - counts[:-n], worst))[0]), n)]
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.isfinite(cost).astype(np.int8), [0]])))
+    runs = sorted(zip((edges[1::2] - edges[::2]).tolist(), edges[::2].tolist()), reverse=True)
+    spans, need = [], n
+    while need > 0 and runs:
+        fit = min((r for r in runs if r[0] >= need), default=None)
+        length, start = fit or runs[0]
+        spans.append((start, min(length, need)))
+        need -= min(length, need)
+        runs.remove(fit or runs[0])
+    return spans if need == 0 else []
+
+
+def _sliding_max(values: np.ndarray, n: int) -> np.ndarray:
+    """`max(values[i : i + n])` for every window, in O(len * log n) (doubling widths)."""
+    width, table = 1, values
+    while 2 * width <= n:
+        table = np.maximum(table[:-width], table[width:])
+        width *= 2
+    return np.maximum(table[: len(values) - n + 1], table[n - width : n - width + len(values) - n + 1])

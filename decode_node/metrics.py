@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine import Engine
 from common.pool_metrics import read_locked, register_pool_gauges
+from common.transfer_metrics import TransferMetrics
 
 if TYPE_CHECKING:
     from decode_node.reservations import ReservationTable
@@ -44,4 +45,5 @@ class DecodeMetrics:
             "duet_admission_refusals", "Requests refused at admission with RESOURCE_EXHAUSTED, by reason: "
             "max_requests, queue_full, too_large (never fits), or (--admission reject) pages, running, tokens",
             ["reason"], registry=r)
+        self.transfers = TransferMetrics(r)
 

@@ -75,6 +75,8 @@ class DecodeNode:
 
     def _lease_expired(self, r: Reservation) -> None:
         self.metrics.lease_expiries.inc()
+        if r.transfer_under_way:
+            self.metrics.transfers.failed("lease_expired")
         self.tracer.event(r.request_id, "lease_expired")
 
     def shutdown(self) -> None:
@@ -157,7 +159,7 @@ class DecodeNode:
                 lambda: self._admitted_sequence(request_id, tokens, resolved, receiving=True),
                 cancelled, deadline)
             matched = seq.num_computed
-            slots = self.engine.pool.slots_for(seq.pages, begin, resolved).tolist() if resolved > begin else []
+            slots = self.engine.pool.slots_for(seq.pages, begin, resolved) if resolved > begin else []
             metadata = encode_segments(slots)
             lease_deadline = time.time() + self.config.lease_seconds
             reservation = Reservation(request_id, seq, matched, resolved, decode_segments(metadata),
@@ -187,6 +189,7 @@ class DecodeNode:
                 raise InvalidArgument(f"kv_append_metadata does not match the slots reserved for {request_id!r}")
             if self.kv_endpoint.one_sided:  # nothing here can stop its writes: fence them
                 self.reservations.fences.pin(request_id, nonce, r.seq.held_pages)
+            r.transfer_started = time.perf_counter()
         self.tracer.event(request_id, "transfer_started")
 
     def complete_transfer(self, request_id: str, nonce: int, abandoned: bool = False) -> None:
@@ -198,8 +201,15 @@ class DecodeNode:
             if abandoned and unfenced and (r is None or r.nonce != nonce):
                 return
             r = self._reservation_for_writer(request_id, nonce)
-            if not abandoned:
+            if abandoned:
+                self.metrics.transfers.failed("abandoned")
+            elif not r.complete:
                 r.complete = True
+                tokens = sum(n for _, n in r.segments)
+                pool = self.engine.pool
+                self.metrics.transfers.completed(tokens * 2 * pool.num_layers * pool.slot_bytes(),
+                                                 time.perf_counter() - (r.transfer_started or time.perf_counter()),
+                                                 len(r.segments))
         self.tracer.event(request_id, "transfer_abandoned" if abandoned else "transfer_complete")
 
     def authorize_write(self, request_id: str, nonce: int) -> WriteGrant:
@@ -344,7 +354,10 @@ class DecodeNode:
 
     def abort(self, request_id: str) -> None:
         with self.engine.lock:
+            r = self.reservations.get(request_id)
             if self.reservations.release(request_id):
+                if r.transfer_under_way:
+                    self.metrics.transfers.failed("aborted")
                 self.tracer.event(request_id, "aborted", held="reservation")
                 if request_id in self._handing_off:  # Generate must not fall back to local prefill
                     self._aborted_hand_offs.add(request_id)

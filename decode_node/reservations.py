@@ -29,6 +29,11 @@ class Reservation:
     nonce: int
     deadline: float  # time.time() seconds
     complete: bool  # the writer reported the transfer finished (or nothing had to be sent)
+    transfer_started: float | None = None  # time.perf_counter() of the writer's BeginTransfer
+
+    @property
+    def transfer_under_way(self) -> bool:
+        return self.transfer_started is not None and not self.complete
 
 
 class ReservationTable:

@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine import Engine
 from common.pool_metrics import register_pool_gauges
+from common.transfer_metrics import TransferMetrics
 from prefill_node.prefill_scheduler import PrefillScheduler
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -22,6 +23,7 @@ class PrefillMetrics:
                                          buckets=_BUCKETS, registry=r)
         self.remote_send_seconds = Histogram("duet_remote_send_seconds", "RemoteSend start to confirmed transfer",
                                              buckets=_BUCKETS, registry=r)
+        self.transfers = TransferMetrics(r)
 
     def observe(self, computed_tokens: int, prefill_s: float, total_s: float) -> None:
         self.computed_tokens.inc(computed_tokens)

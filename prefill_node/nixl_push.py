@@ -1,5 +1,10 @@
-"""The prefill node's NIXL pusher: this node's pool registered once; each layer's pieces become
-one NIXL WRITE (one descriptor per piece and K|V) into the decode node's registered pool.
+"""The prefill node's NIXL pusher: this node's pool registered once, and both pools described
+once, page by page for every (layer, K|V), as NIXL prepared descriptor lists (this node's at
+start, each decode node's when it connects). A layer's whole pages then move as ONE prepared
+NIXL WRITE naming page indices (numpy, built from a per-transfer plan: nothing per layer grows
+with the pages as Python objects); NIXL merges pages adjacent on both sides, so a contiguous
+reservation moves as a few large writes. A piece's ends off page boundaries (a partial first or
+last page) go in a second, small WRITE of explicit ranges.
 
 Posting runs on a sender thread, not the forward thread: with UCX shared memory the copy
 happens inside the post, and it should overlap the next layers' compute. On a CUDA pool the
@@ -15,11 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from common.kv_pool import KVPool
 from common.transports import TransferError
-from common.transports.kv_ranges import Piece, byte_offset, layer_byte_ranges
+from common.transports.kv_ranges import PagePlan, Piece, byte_offset, layer_byte_ranges, page_blocks, plan_pages
 from common.transports.nixl_transport import NixlInitiator, WriteHandle
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -38,7 +44,9 @@ class NixlSession:
         self._deadline = time.monotonic() + timeout_s
         self._on_layer_done = on_layer_done
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._handles: list[tuple[int, WriteHandle]] = []  # posted, not yet seen DONE, by layer
+        self._handles: list[tuple[int, WriteHandle | None]] = []  # posted, not seen DONE; None ends a layer
+        self._plans: dict[int, tuple[list[Piece], PagePlan]] = {}  # by id() of a posted piece list
+        self.posting_cpu_s = 0.0  # CPU time the sender thread spent posting (the copy, with UCX sm)
         self._error: TransferError | None = None
         self._thread = threading.Thread(target=self._post_loop, name="nixl-post", daemon=True)
         self._thread.start()
@@ -71,28 +79,50 @@ class NixlSession:
             self._error = self._error or TransferError(f"posting the KV writes failed: {type(exc).__name__}: {exc}",
                                                        grpc.StatusCode.INTERNAL)
 
+    def _plan(self, pieces: list[Piece]) -> PagePlan:
+        """The page plan of a piece list, made once: the scheduler posts one list for every layer."""
+        known = self._plans.get(id(pieces))
+        if known is None or known[0] is not pieces:
+            known = self._plans[id(pieces)] = (pieces, plan_pages(pieces, self._pool.page_size))
+        return known[1]
+
     def _post(self, layer: int, pieces: list[Piece], computed: torch.cuda.Event | None) -> None:
-        sb, peer = self._pool.slot_bytes(), self._peer
+        started = time.thread_time()
+        pool, peer = self._pool, self._peer
+        sb = pool.slot_bytes()
         if computed is not None:
             computed.synchronize()
-        local = layer_byte_ranges(self._pool, layer, [(p.src_slot, p.num_slots) for p in pieces])
-        remote = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot), p.num_slots * sb)
-                  for kv in (0, 1) for p in pieces]
-        self._handles.append((layer, self._initiator.write(peer.agent_name, local, remote)))
+        plan = self._plan(pieces)
+        if len(plan.src_pages):
+            local_pages, remote_pages = pool.num_pages, peer.num_slots // pool.page_size
+            local = np.concatenate([plan.src_pages + (2 * layer + kv) * local_pages for kv in (0, 1)])
+            remote = np.concatenate([plan.dst_pages + (2 * layer + kv) * remote_pages for kv in (0, 1)])
+            nbytes = len(local) * pool.page_size * sb
+            self._handles.append((layer, self._initiator.write_blocks(peer.agent_name, local, remote, nbytes)))
+        if plan.edges:
+            local_ranges = layer_byte_ranges(pool, layer, [(p.src_slot, p.num_slots) for p in plan.edges])
+            remote_ranges = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot),
+                              p.num_slots * sb) for kv in (0, 1) for p in plan.edges]
+            self._handles.append((layer, self._initiator.write(peer.agent_name, local_ranges, remote_ranges)))
+        self._handles.append((layer, None))
+        self.posting_cpu_s += time.thread_time() - started
         self._report_done()
 
     def _report_done(self) -> None:
         """Report the layers whose writes completed by now (in order; later ones wait)."""
-        while self._handles and self._initiator.is_done(self._handles[0][1]):
+        while self._handles and (self._handles[0][1] is None or self._initiator.is_done(self._handles[0][1])):
             self._finish_write(*self._handles.pop(0))
 
-    def _finish_write(self, layer: int, handle: WriteHandle) -> None:
+    def _finish_write(self, layer: int, handle: WriteHandle | None) -> None:
+        """Wait for one write; the layer's end marker (None) reports it done if all went well."""
+        if handle is None:
+            if self._error is None:
+                self._on_layer_done(layer)
+            return
         try:
             self._initiator.wait(handle, max(0.0, self._deadline - time.monotonic()))
         except TransferError as exc:
             self._error = self._error or exc
-        else:
-            self._on_layer_done(layer)
 
     def finish(self) -> None:
         """Wait until every posted write is DONE (or failed); raises TransferError. Idempotent."""
@@ -129,14 +159,23 @@ class NixlPusher:
     def __init__(self, pool: KVPool, name: str) -> None:
         self._pool = pool
         self._initiator = NixlInitiator(name, pool.data)
+        self._initiator.prepare_local(self._page_blocks(pool.data.data_ptr(), pool.num_slots))
         self._peers: dict[str, _Peer] = {}
+
+    def _page_blocks(self, base: int, num_slots: int) -> np.ndarray:
+        pool = self._pool
+        return page_blocks(base, pool.num_layers, num_slots, pool.page_size, pool.slot_bytes())
 
     def connect(self, address: str, info: pb.TransportInfo) -> None:
         expected = info.num_slots * 2 * self._pool.num_layers * self._pool.slot_bytes()
         if info.pool_size_bytes != expected:
             raise TransferError(f"decode node {address} registered {info.pool_size_bytes} bytes, expected {expected}",
                                 grpc.StatusCode.FAILED_PRECONDITION)
+        if info.num_slots % self._pool.page_size:
+            raise TransferError(f"decode node {address} has {info.num_slots} slots, not whole "
+                                f"{self._pool.page_size}-slot pages", grpc.StatusCode.FAILED_PRECONDITION)
         self._initiator.connect(info.nixl_agent_name, info.nixl_agent_metadata)
+        self._initiator.prepare_remote(info.nixl_agent_name, self._page_blocks(info.pool_base_address, info.num_slots))
         self._peers[address] = _Peer(info.nixl_agent_name, info.pool_base_address, info.num_slots)
 
     def disconnect(self, address: str) -> None:

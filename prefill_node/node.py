@@ -103,6 +103,7 @@ class PrefillNode:
                 on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done", layer=layer))
         except TransferError as exc:
             self.peers.drop(req.decode_address)
+            self.metrics.transfers.failed("unavailable")
             raise Unavailable(str(exc)) from None
         with self.engine.lock:
             seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
@@ -120,6 +121,9 @@ class PrefillNode:
             self.tracer.event(req.request_id, "prefilled", computed_tokens=end - cached)
             self._finish_transfer(req, peer, session, deadline)
             ok = True
+        except BaseException as exc:
+            self.metrics.transfers.failed(exc.code.name.lower() if isinstance(exc, RequestError) else "internal")
+            raise
         finally:
             if not ok and session.cancel() and self.pusher.one_sided:
                 self._abandon(req, peer)
@@ -127,9 +131,11 @@ class PrefillNode:
         done = time.perf_counter()
         self.metrics.observe(end - cached, prefilled - started, done - started)
         pool = self.engine.pool
+        nbytes = (end - begin) * 2 * pool.num_layers * pool.slot_bytes()
+        self.metrics.transfers.completed(nbytes, done - (job.first_posted or prefilled), metadata[0])
         return pb.RemoteSendResponse(
             tokens_sent=end - begin, tokens_computed=end - cached,
-            bytes_sent=(end - begin) * 2 * pool.num_layers * pool.slot_bytes(),
+            bytes_sent=nbytes,
             prefill_seconds=prefilled - started, transfer_seconds=done - started,
         )
 

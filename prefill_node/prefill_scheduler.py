@@ -47,6 +47,7 @@ class PrefillJob:
     prefilled: threading.Event = field(default_factory=threading.Event)
     error: RequestError | None = None
     cancelled: bool = False
+    first_posted: float | None = None  # time.perf_counter() when a first layer went to the session
 
     @property
     def end(self) -> int:
@@ -176,6 +177,8 @@ class PrefillScheduler(EngineLoop):
         """One layer's K/V of `job` about to be handed to its transfer session (traced first: the
         session's sender thread may report the layer done before `post_layer` returns)."""
         if pieces:
+            if job.first_posted is None:
+                job.first_posted = time.perf_counter()
             slots = sum(p.num_slots for p in pieces)
             self.tracer.event(job.seq.seq_id, "transfer_layer_posted", layer=layer, slots=slots,
                               bytes=2 * slots * self.engine.pool.slot_bytes(), source=source)

@@ -3,27 +3,34 @@
 (A) KV transfer, GB/s, one host. The shape is SmolLM2-135M's (30 layers, 3 KV heads, head dim
 64, fp32: 46,080 bytes per token over all layers, K and V) with 16-token pages. For 1k / 4k / 8k
 tokens a prefill-shaped pool in this process and a decode-shaped pool in a second process
-(multiprocessing ``spawn``, ``UCX_TLS=sm,self``) are each just big enough. Two page layouts:
-*contiguous*, what the FIFO page allocator hands a fresh pool (consecutive pages on both sides,
-one piece per layer and K|V), and *scattered*, a random page permutation on both sides (the
-worst case: every piece is one page, ``pages x 30 layers x 2 (K|V)`` ranges of 12 KiB). All
-four methods move the same bytes:
+(multiprocessing ``spawn``, ``UCX_TLS=sm,self``). Three page layouts:
+*contiguous*, what a fresh pool's allocator hands out (consecutive pages on both sides, one piece
+per layer and K|V), *scattered*, a random page permutation on both sides (the worst case: every
+piece is one page, ``pages x 30 layers x 2 (K|V)`` ranges of 12 KiB), both in pools just big
+enough, and *churned*: real reservations of a decode node after thousands of mixed requests at
+80% occupancy (``python -m scripts.bench_churn --save-layouts``, saved in
+docs/bench/churned_layouts.json; one reservation as the source, a later one as the destination,
+in pools of the churned node's size). All five methods move the same bytes:
 
 - NIXL path: the product code. ``NixlPusher`` (prefill_node/nixl_push.py) opens a session, the
-  pieces are posted per layer (one NIXL WRITE per layer, one descriptor per piece and K|V, from
-  the sender thread) and ``finish`` waits for all; the decode process runs the decode node's
+  pieces are posted per layer (one prepared NIXL WRITE of page indices per layer, from the sender
+  thread) and ``finish`` waits for all; the decode process runs the decode node's
   ``NixlEndpoint`` (pool registered once, progress thread polling as while a transfer is due).
+  Also reported: the sender thread's CPU time posting one transfer (with UCX shared memory the
+  copy itself happens inside the post).
 - TCP: the same pieces through ``TcpPusher`` / ``TcpKvSession`` into the decode node's
   ``TcpEndpoint`` (``TcpKvReceiver``), whose authorizer grants the reservation's real segments.
+- TCP socket: the limit of TCP, one connection per transfer sending the bytes as one contiguous
+  buffer (``sendall``) into one contiguous buffer (``recv_into``) of the decode process.
 - memcpy: ``torch`` ``copy_`` of one contiguous buffer of the same size, in this process: the limit.
-- raw NIXL: one ``NixlInitiator.write`` of the whole contiguous pool as a single descriptor, into
-  the same decode process (no per-layer split, no sender thread).
+- raw NIXL: one ``NixlInitiator.write`` of a contiguous range of the same size as a single
+  descriptor, into the same decode process (no per-layer split, no sender thread).
 
 Before timing, the NIXL path and TCP each move the KV once into a zeroed decode pool, and the
 decode process checks (hash) that every destination slot holds its source slot's bytes. Each
 number is the median of timed rounds after an untimed warm-up round; the methods alternate
 within a round, so load from other processes hits them alike. Goals: NIXL path / raw NIXL at
-least 0.8, NIXL path / memcpy at least 0.45.
+least 0.8, NIXL path / memcpy at least 0.45 (contiguous), TCP / TCP socket at least 0.7.
 
 (B) Time to first token of a 1,000-token prompt, client side (``Generate`` called to first
 chunk, ``max_tokens=1``), with the real daemons on loopback (scripts/local_daemons.py): a
@@ -36,7 +43,8 @@ RemoteSend times. Goal: disaggregated at most 1.05x single node.
 
 Goals are informational: the exit status is 0 either way.
 
-Usage: python -m scripts.bench_transfer [--quick] [--json FILE]
+Usage: python -m scripts.bench_transfer [--quick] [--json FILE]   (--quick: 1k and 4k tokens, fewer
+repetitions, TTFT over NIXL only; about 2 minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -46,8 +54,11 @@ import json
 import multiprocessing as mp
 import os
 import random
+import socket
 import statistics
+import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -72,7 +83,9 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4  # 46,080
 TRANSFER_TIMEOUT_S = 60.0
 PEER = "bench-decode"  # the pushers' key for the decode process
-RAW_GOAL, MEMCPY_GOAL, TTFT_GOAL = 0.8, 0.45, 1.05
+RAW_GOAL, MEMCPY_GOAL, SOCKET_GOAL, TTFT_GOAL = 0.8, 0.45, 0.7, 1.05
+CHURNED_LAYOUTS = Path(__file__).resolve().parent.parent / "docs" / "bench" / "churned_layouts.json"
+_LENGTH = struct.Struct("<Q")
 TTFT_PROMPT_TOKENS = 1000
 
 
@@ -81,15 +94,19 @@ class KvRow:
     layout: str
     tokens: int
     megabytes: float
-    descriptors: int  # in all writes of one NIXL-path transfer
+    descriptors: int  # in all writes of one NIXL-path transfer, pages adjacent on both sides merged
     nixl_path: float  # GB/s
     tcp: float
+    tcp_socket: float
     memcpy: float
     raw_nixl: float
+    nixl_post_cpu_ms: float  # the NIXL path's sender thread, per transfer
     path_vs_raw: float
     path_vs_memcpy: float
+    tcp_vs_socket: float
     raw_verdict: str
     memcpy_verdict: str
+    socket_verdict: str
 
 
 @dataclass
@@ -123,11 +140,14 @@ def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int
 
     endpoints = [open_endpoint(t, pool, authorize, "127.0.0.1", "", name=f"{PEER}-{os.getpid()}",
                                transfers_pending=lambda: True) for t in transports]
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_plain_receiver, args=(listener, bytearray(len(slots) * BYTES_PER_TOKEN)),
+                     daemon=True).start()
     try:
         infos = [e.info() for e in endpoints]
         for info in infos:
             info.num_slots = pool.num_slots
-        conn.send([info.SerializeToString() for info in infos])
+        conn.send(([info.SerializeToString() for info in infos], listener.getsockname()[1]))
         while (cmd := conn.recv()) != "quit":
             if cmd == "clear":
                 pool.data.zero_()
@@ -139,8 +159,36 @@ def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int
     except EOFError:
         pass
     finally:
+        listener.close()
         for e in endpoints:
             e.close()
+
+
+def _plain_receiver(listener: socket.socket, buffer: bytearray) -> None:
+    """The plain-socket baseline's receiving end: per connection, a length, then that many
+    bytes into one contiguous buffer, then a one-byte reply."""
+    view = memoryview(buffer)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            (n,) = _LENGTH.unpack(conn.recv(_LENGTH.size, socket.MSG_WAITALL))
+            got = 0
+            while got < n:
+                got += conn.recv_into(view[got:n])
+            conn.sendall(b"k")
+
+
+def plain_socket_send(port: int, data: memoryview) -> None:
+    """One transfer of the plain-socket baseline: connect, send `data`, wait for the reply."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_LENGTH.pack(data.nbytes))
+        sock.sendall(data)
+        if sock.recv(1) != b"k":
+            raise RuntimeError("the plain-socket receiver did not confirm")
 
 
 def digest(t: torch.Tensor) -> str:
@@ -151,9 +199,9 @@ def digest(t: torch.Tensor) -> str:
 @contextmanager
 def decode_process(num_pages: int, segments: list[tuple[int, int]], transports: tuple[str, ...] = ("nixl", "tcp"),
                    dtype: torch.dtype = torch.float32,
-                   device: str = "cpu") -> Iterator[tuple[Connection, list[pb.TransportInfo]]]:
-    """The decode process and the infos of its `transports` endpoints (a pool of `dtype` on
-    `device`); always stopped on exit."""
+                   device: str = "cpu") -> Iterator[tuple[Connection, list[pb.TransportInfo], int]]:
+    """The decode process, the infos of its `transports` endpoints (a pool of `dtype` on
+    `device`) and the port of its plain-socket receiver; always stopped on exit."""
     ours, theirs = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_decode_side, daemon=True,
                                            args=(theirs, num_pages, segments, transports, dtype, device))
@@ -162,7 +210,8 @@ def decode_process(num_pages: int, segments: list[tuple[int, int]], transports: 
     try:
         if not ours.poll(120):
             raise TimeoutError("the decode process did not publish its endpoints within 120 s")
-        yield ours, [pb.TransportInfo.FromString(b) for b in ours.recv()]
+        infos, port = ours.recv()
+        yield ours, [pb.TransportInfo.FromString(b) for b in infos], port
     finally:
         try:
             ours.send("quit")
@@ -183,6 +232,7 @@ class Layout:
     src_slots: list[int]  # position order
     dst_segments: list[tuple[int, int]]
     pieces: list[Piece]
+    num_pages: int  # of each pool
 
 
 def scattered_layout(tokens: int, seed: int) -> Layout:
@@ -192,28 +242,42 @@ def scattered_layout(tokens: int, seed: int) -> Layout:
     src_pages, dst_pages = rng.sample(pages, len(pages)), rng.sample(pages, len(pages))
     src_slots, dst_slots = slots_of(src_pages), slots_of(dst_pages)
     dst_segments = decode_segments(encode_segments(dst_slots))
-    return Layout(src_slots, dst_segments, plan_pieces(src_slots, dst_segments))
+    return Layout(src_slots, dst_segments, plan_pieces(src_slots, dst_segments), len(pages))
 
 
 def contiguous_layout(tokens: int, seed: int) -> Layout:
     """Consecutive pages on both sides, as a fresh pool's allocator gives them."""
     slots = list(range(tokens))
-    return Layout(slots, [(0, tokens)], plan_pieces(slots, [(0, tokens)]))
+    return Layout(slots, [(0, tokens)], plan_pieces(slots, [(0, tokens)]), tokens // PAGE_SIZE)
 
 
-LAYOUTS = {"contiguous": contiguous_layout, "scattered": scattered_layout}
+def churned_layout(tokens: int, seed: int, path: Path = CHURNED_LAYOUTS) -> Layout | None:
+    """Two real reservations of `tokens` positions from a churned decode node (source, then
+    destination), in pools of its size; None when none of that size was saved."""
+    saved = json.loads(path.read_text())
+    pair = saved["layouts"].get(str(tokens))
+    if pair is None:
+        return None
+    src_slots = [s for start, n in pair["src_segments"] for s in range(start, start + n)]
+    dst_segments = [(start, n) for start, n in pair["dst_segments"]]
+    return Layout(src_slots, dst_segments, plan_pieces(src_slots, dst_segments), saved["num_pages"])
+
+
+LAYOUTS = {"contiguous": contiguous_layout, "scattered": scattered_layout, "churned": churned_layout}
 
 
 def slots_of(pages: list[int]) -> list[int]:
     return [p * PAGE_SIZE + o for p in pages for o in range(PAGE_SIZE)]
 
 
-def push_all_layers(pusher: KvPusher, layout: Layout) -> None:
+def push_all_layers(pusher: KvPusher, layout: Layout, sessions: list | None = None) -> None:
     """One transfer as RemoteSend makes it: open, post every layer's pieces, finish."""
     session = pusher.open(PEER, "bench", 0, TRANSFER_TIMEOUT_S)
     for layer in range(NUM_LAYERS):
         session.post_layer(layer, layout.pieces)
     session.finish()
+    if sessions is not None:
+        sessions.append(session)
 
 
 def timed_rounds(methods: dict[str, Callable[[], None]], warmup: int, reps: int) -> dict[str, float]:
@@ -239,15 +303,16 @@ def check_lands(conn: Connection, move: Callable[[], None], expected: str, what:
 
 
 @contextmanager
-def transfer_methods(src: KVPool, layout: Layout,
-                     name: str) -> Iterator[tuple[Connection, dict[str, Callable[[], None]]]]:
-    """A decode process (its pool like `src`'s, both endpoints open) and the ways to move all of
-    `src`'s KV for `layout` into it: the NIXL path and TCP as RemoteSend uses them, and one raw
-    NIXL write of the whole pool. Everything is closed on exit."""
-    nbytes = src.data.numel() * src.data.element_size()
+def transfer_methods(src: KVPool, layout: Layout, name: str,
+                     nixl_sessions: list | None = None) -> Iterator[tuple[Connection, dict[str, Callable[[], None]]]]:
+    """A decode process (its pool like `src`'s, both endpoints open) and the ways to move `src`'s
+    KV for `layout` into it: the NIXL path and TCP as RemoteSend uses them (the NIXL sessions
+    appended to `nixl_sessions`), and one raw NIXL write of a contiguous range of the same size.
+    Everything is closed on exit."""
+    nbytes = len(layout.src_slots) * src.slot_bytes() * 2 * src.num_layers
     with ExitStack() as stack:
-        conn, (nixl_info, tcp_info) = stack.enter_context(decode_process(
-            src.num_pages, layout.dst_segments, ("nixl", "tcp"), src.data.dtype, src.data.device.type))
+        conn, (nixl_info, tcp_info), socket_port = stack.enter_context(decode_process(
+            layout.num_pages, layout.dst_segments, ("nixl", "tcp"), src.data.dtype, src.data.device.type))
         nixl = open_pusher("nixl", src, f"{name}-prefill")
         stack.callback(nixl.close)
         nixl.connect(PEER, nixl_info)
@@ -257,36 +322,47 @@ def transfer_methods(src: KVPool, layout: Layout,
         raw = stack.enter_context(NixlInitiator(f"{name}-raw", src.data))
         raw.connect(nixl_info.nixl_agent_name, nixl_info.nixl_agent_metadata)
         whole_src, whole_dst = [(src.data.data_ptr(), nbytes)], [(nixl_info.pool_base_address, nbytes)]
-        yield conn, {
-            "nixl_path": lambda: push_all_layers(nixl, layout),
+        methods = {
+            "nixl_path": lambda: push_all_layers(nixl, layout, nixl_sessions),
             "tcp": lambda: push_all_layers(tcp, layout),
             "raw_nixl": lambda: raw.wait(raw.write(nixl_info.nixl_agent_name, whole_src, whole_dst),
                                          TRANSFER_TIMEOUT_S),
         }
+        if not src.data.is_cuda:  # a socket reads host memory only
+            contiguous = memoryview(src.data.view(-1).numpy()).cast("B")[:nbytes]
+            methods["tcp_socket"] = lambda: plain_socket_send(socket_port, contiguous)
+        yield conn, methods
 
 
-def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int) -> KvRow:
-    """The four methods over the same `tokens` positions, each in its own fresh pools."""
+def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int) -> KvRow | None:
+    """The five methods over the same `tokens` positions, each in its own fresh pools; None when
+    the layout has no reservation of that size."""
     layout = LAYOUTS[layout_name](tokens, seed=tokens)
-    num_pages = tokens // PAGE_SIZE
-    src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE)
+    if layout is None:
+        return None
+    src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, layout.num_pages, PAGE_SIZE)
     src.data.uniform_()
     expected = digest(src.data.index_select(2, torch.tensor(layout.src_slots)))
     nbytes = tokens * BYTES_PER_TOKEN
-    assert src.data.numel() * src.data.element_size() == nbytes
-    copy_dst = torch.empty_like(src.data)
+    contiguous = src.data.view(-1)[: nbytes // src.data.element_size()]
+    copy_dst = torch.empty_like(contiguous)
+    sessions: list = []
 
-    with transfer_methods(src, layout, f"bench-{tokens}") as (conn, methods):
-        methods["memcpy"] = lambda: copy_dst.copy_(src.data)
+    with transfer_methods(src, layout, f"bench-{tokens}", sessions) as (conn, methods):
+        methods["memcpy"] = lambda: copy_dst.copy_(contiguous)
         check_lands(conn, methods["nixl_path"], expected, "NIXL path")
         check_lands(conn, methods["tcp"], expected, "TCP")
         seconds = timed_rounds(methods, warmup, reps)
 
     gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
     vs_raw, vs_memcpy = gbps["nixl_path"] / gbps["raw_nixl"], gbps["nixl_path"] / gbps["memcpy"]
+    vs_socket = gbps["tcp"] / gbps["tcp_socket"]
+    post_cpu_ms = 1e3 * statistics.median(s.posting_cpu_s for s in sessions[-reps:])
     return KvRow(layout_name, tokens, nbytes / 1e6, NUM_LAYERS * 2 * len(layout.pieces), **gbps,
-                 path_vs_raw=vs_raw, path_vs_memcpy=vs_memcpy,
-                 raw_verdict=verdict(vs_raw >= RAW_GOAL), memcpy_verdict=verdict(vs_memcpy >= MEMCPY_GOAL))
+                 nixl_post_cpu_ms=post_cpu_ms, path_vs_raw=vs_raw, path_vs_memcpy=vs_memcpy, tcp_vs_socket=vs_socket,
+                 raw_verdict=verdict(vs_raw >= RAW_GOAL),
+                 memcpy_verdict=verdict(vs_memcpy >= MEMCPY_GOAL) if layout_name == "contiguous" else "-",
+                 socket_verdict=verdict(vs_socket >= SOCKET_GOAL))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,20 +418,22 @@ def bench_ttft(transport: str, single: Daemon, tmp: Path, rng: random.Random, re
 
 def format_table(kv: list[KvRow], ttft: list[TtftRow], kv_reps: int, ttft_reps: int) -> str:
     lines = [
-        f"KV transfer, GB/s (median of {kv_reps})   NIXL path    TCP  memcpy  raw NIXL"
-        f"   path/raw (>={RAW_GOAL})   path/memcpy (>={MEMCPY_GOAL})",
-        "-" * 108,
+        f"KV transfer, GB/s (median of {kv_reps})   NIXL path  raw NIXL  memcpy    TCP  socket  post CPU"
+        f"   path/raw (>={RAW_GOAL})  path/memcpy (>={MEMCPY_GOAL})  TCP/socket (>={SOCKET_GOAL})",
+        "-" * 150,
     ]
     for r in kv:
         label = f"{r.layout[:6]} {r.tokens:>5} tok {r.megabytes:5.0f} MB {r.descriptors:>5} descr"
-        lines.append(f"{label:<36} {r.nixl_path:>9.2f} {r.tcp:>6.2f} {r.memcpy:>7.2f} {r.raw_nixl:>9.2f}"
-                     f"   {r.path_vs_raw:>6.2f}x {r.raw_verdict:<12}"
-                     f"   {r.path_vs_memcpy:>6.2f}x {r.memcpy_verdict}")
+        lines.append(f"{label:<36} {r.nixl_path:>9.2f} {r.raw_nixl:>9.2f} {r.memcpy:>7.2f} {r.tcp:>6.2f}"
+                     f" {r.tcp_socket:>7.2f} {r.nixl_post_cpu_ms:>6.1f} ms"
+                     f"   {r.path_vs_raw:>6.2f}x {r.raw_verdict:<11}"
+                     f"   {r.path_vs_memcpy:>6.2f}x {r.memcpy_verdict:<13}"
+                     f"   {r.tcp_vs_socket:>6.2f}x {r.socket_verdict}")
     lines += [
-        "-" * 108,
+        "-" * 150,
         f"TTFT, {TTFT_PROMPT_TOKENS}-tok prompt, ms (median of {ttft_reps})"
         f"   disagg  single   ratio (<={TTFT_GOAL})   prefill node: prefill / RemoteSend (mean ms)",
-        "-" * 108,
+        "-" * 150,
     ]
     for r in ttft:
         lines.append(f"{'--transport ' + r.transport:<36} {r.disaggregated_ms:>8.0f} {r.single_node_ms:>7.0f}"
@@ -367,9 +445,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions, nixl TTFT only")
     parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
+    parser.add_argument("--churned-layouts", metavar="FILE", type=Path, default=CHURNED_LAYOUTS,
+                        help="reservations saved by `scripts.bench_churn --save-layouts` (default %(default)s)")
     args = parser.parse_args()
+    LAYOUTS["churned"] = lambda tokens, seed: churned_layout(tokens, seed, args.churned_layouts)
     os.environ.setdefault("UCX_TLS", "sm,self")  # before any NIXL agent exists, inherited by children
-    sizes = (1024, 8192) if args.quick else (1024, 4096, 8192)
+    sizes = (1024, 4096) if args.quick else (1024, 4096, 8192)
     kv_warmup, kv_reps = 1, (3 if args.quick else 7)
     ttft_reps = 3 if args.quick else 5
     transports = ("nixl",) if args.quick else ("nixl", "tcp")
@@ -380,9 +461,11 @@ def main() -> None:
           "measuring...", flush=True)
     kv = []
     for layout_name, tokens in ((name, tokens) for name in LAYOUTS for tokens in sizes):
-        kv.append(row := bench_kv(layout_name, tokens, kv_warmup, kv_reps))
-        print(f"  KV {layout_name} {tokens:5d} tok: NIXL path {row.nixl_path:.2f}, TCP {row.tcp:.2f}, memcpy {row.memcpy:.2f}, "
-              f"raw NIXL {row.raw_nixl:.2f} GB/s", flush=True)
+        if (row := bench_kv(layout_name, tokens, kv_warmup, kv_reps)) is None:
+            continue
+        kv.append(row)
+        print(f"  KV {layout_name} {tokens:5d} tok: NIXL path {row.nixl_path:.2f}, raw NIXL {row.raw_nixl:.2f}, "
+              f"memcpy {row.memcpy:.2f}, TCP {row.tcp:.2f}, TCP socket {row.tcp_socket:.2f} GB/s", flush=True)
     ttft = []
     rng = random.Random(20240601)
     with tempfile.TemporaryDirectory(prefix="bench_transfer_") as tmp:

@@ -346,15 +346,17 @@ def check_bandwidth(report: Report, device: str, dtype: torch.dtype, quick: bool
     for layout_name in LAYOUTS:
         for tokens in sizes:
             layout = LAYOUTS[layout_name](tokens, seed=tokens)
-            num_pages = tokens // PAGE_SIZE
-            src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE, dtype, device)
+            if layout is None:  # no churned reservation of this size was saved
+                continue
+            src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, layout.num_pages, PAGE_SIZE, dtype, device)
             src.data.normal_()
-            nbytes = src.data.numel() * src.data.element_size()
+            nbytes = len(layout.src_slots) * src.slot_bytes() * 2 * NUM_LAYERS
             expected = digest(src.data.index_select(2, torch.tensor(layout.src_slots, device=device)))
-            copy_dst = torch.empty_like(src.data)
+            contiguous = src.data.view(-1)[: nbytes // src.data.element_size()]
+            copy_dst = torch.empty_like(contiguous)
 
             def device_copy() -> None:
-                copy_dst.copy_(src.data)
+                copy_dst.copy_(contiguous)
                 if device == "cuda":
                     torch.cuda.synchronize()
 

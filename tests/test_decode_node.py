@@ -154,16 +154,17 @@ def test_concurrent_reservations_never_share_a_slot(node):
 def test_fragmented_pool_gives_multi_segment_metadata(small_node):
     stub = small_node.stub
     slots = {}
-    for name in "abc":  # 20 pages each: 60 of 64 used
-        r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=name, token_ids=_ids(321, ord(name))))
+    for name in "abcd":  # 15 pages each: 60 of 64 used
+        r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=name, token_ids=_ids(241, ord(name))))
         slots[name] = set(expand_slots(list(r.kv_append_metadata)))
-    stub.Abort(pb.AbortRequest(request_id="b"))
-    r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="d", token_ids=_ids(321, 9)))
+    for name in "bd":  # free runs of 15 and 19 pages: no run holds 20
+        stub.Abort(pb.AbortRequest(request_id=name))
+    r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="e", token_ids=_ids(321, 9)))
     md = list(r.kv_append_metadata)
     assert md[0] >= 2, md
-    d = set(expand_slots(md))
-    assert len(d) == 320 and not d & slots["a"] and not d & slots["c"]
-    for name in "acd":
+    e = set(expand_slots(md))
+    assert len(e) == 320 and not e & slots["a"] and not e & slots["c"]
+    for name in "ace":
         stub.Abort(pb.AbortRequest(request_id=name))
     assert pages_back_to_baseline(small_node)
 

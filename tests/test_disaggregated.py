@@ -158,3 +158,38 @@ def test_wrong_fingerprint_is_failed_precondition(pair, tmp_path):
         assert "page_size: decode node has 16, prefill node has 8" in info.value.details()
         assert no_leak(other)
         dn.stub.Abort(pb.AbortRequest(request_id="fp"))
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def small_pair(request, tmp_path_factory):
+    """A pair whose decode node has a 48-page pool, small enough to fragment with a few calls."""
+    tmp = tmp_path_factory.mktemp(f"small_pair_{request.param}")
+    transport = ("--transport", request.param)
+    with prefill_node(tmp, *transport) as pn, \
+            decode_node(tmp, *transport, "--kv-pages", "48", "--prefill", pn.address) as dn:
+        yield dn, pn
+
+
+def test_churned_pool_transfer_gives_exact_tokens_and_metrics(small_pair, model):
+    """Reservations interleaved with aborted ones leave 2-page holes: a 12-page reservation then
+    spans several segments, and the hand-off into them still gives the single-node tokens."""
+    dn, pn = small_pair
+    held = []
+    for i in range(22):
+        dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=f"hold{i}", token_ids=_ids(33, 300 + i)))
+        held.append(f"hold{i}")
+    for rid in held[::2]:
+        dn.stub.Abort(pb.AbortRequest(request_id=rid))
+    prompt = _ids(193, 12)
+    before_d, before_p = dn.metrics(), pn.metrics()
+    tokens, r, sent, _ = three_calls(dn, pn, "churned", prompt)
+    segments = r.kv_append_metadata[0]
+    assert segments >= 2 and tokens == engine_greedy(model, prompt, 8)
+    after_d, after_p = dn.metrics(), pn.metrics()
+    for before, after in ((before_d, after_d), (before_p, after_p)):
+        assert after["duet_kv_transfer_bytes_total"] - before.get("duet_kv_transfer_bytes_total", 0) == sent.bytes_sent
+        assert after["duet_kv_transfer_segments_sum"] - before.get("duet_kv_transfer_segments_sum", 0) == segments
+        assert after["duet_kv_transfer_seconds_count"] - before.get("duet_kv_transfer_seconds_count", 0) == 1
+    for rid in held[1::2]:
+        dn.stub.Abort(pb.AbortRequest(request_id=rid))
+    assert no_leak(dn)

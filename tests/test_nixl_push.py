@@ -21,11 +21,18 @@ class _Initiator:
     def __init__(self, pool: KVPool, fail_layer: int | None = None, error: Exception | None = None) -> None:
         self.layer_bytes = pool.data[0].numel() * pool.data.element_size()
         self.base = pool.data.data_ptr()
+        self.num_pages = pool.num_pages
         self.fail_layer, self.error = fail_layer, error
         self.written: list[int] = []
 
     def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> int:
-        layer = (local[0][0] - self.base) // self.layer_bytes
+        return self._record((local[0][0] - self.base) // self.layer_bytes)
+
+    def write_blocks(self, peer: str, local, remote, nbytes: int) -> int:
+        """Prepared page blocks: block (layer * 2 + kv) * num_pages + page."""
+        return self._record(int(local[0]) // (2 * self.num_pages))
+
+    def _record(self, layer: int) -> int:
         if layer == self.fail_layer:
             raise self.error
         self.written.append(layer)

@@ -2,10 +2,11 @@
 allocate()."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -510,3 +511,70 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)
+
+
+def cache_page(cache: PrefixCache, token: int, page: int) -> None:
+    """Hand a page this test holds to the cache as one full page of `token`s, cache-only."""
+    cache.insert([token] * PS, [page])
+    cache.allocator.decref([page])
+
+
+def test_allocate_contiguous_evicts_a_window_to_give_one_run() -> None:
+    """Free pages 0, 4, 8 (no run of 3) between cached and held pages: the three pages come as
+    one run, freed by evicting the least recently used cached pages that make one; pages a
+    sequence holds are never taken."""
+    allocator, cache = make(num_pages=9)
+    assert cache.allocate(9) == list(range(9))
+    for token, page in ((1, 1), (2, 2), (3, 5), (4, 6)):  # cached, oldest first
+        cache_page(cache, token, page)
+    allocator.decref([0, 4, 8])  # free; 3 and 7 stay held by a sequence
+    assert cache.allocate_contiguous(3) == [0, 1, 2]
+    assert cache.num_cached_pages == 2 and all(allocator.refcount(p) == 1 for p in (3, 5, 6, 7))
+    assert cache.matched_length([3] * PS + [0]) == PS  # the more recent entries survive
+
+
+def test_allocate_contiguous_takes_the_fewest_runs_when_no_window_exists() -> None:
+    allocator, cache = make(num_pages=8)
+    assert cache.allocate(8) == list(range(8))
+    for token, page in ((1, 0), (2, 3), (3, 4), (4, 6)):
+        cache_page(cache, token, page)
+    allocator.decref([5])  # runs of free or cached pages: [0], [3, 4, 5], [6]; 1, 2, 7 held
+    got = cache.allocate_contiguous(4)
+    assert sorted(got) == [0, 3, 4, 5] or sorted(got) == [3, 4, 5, 6]  # two runs, not three
+    assert all(allocator.refcount(p) == 1 for p in (1, 2, 7))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 2), st.integers(0, 10**6)), max_size=40))
+def test_allocate_contiguous_gives_one_run_whenever_free_and_cache_only_pages_make_one(ops) -> None:
+    """Sequences of 1-6 pages come and go; a finished one is freed or cached page by page (each a
+    cache-only leaf). Whenever `n` consecutive pages are free or cache-only, a reservation of `n`
+    is one run, and it never takes a page a live sequence holds."""
+    allocator, cache = make(num_pages=24)
+    live: list[list[int]] = []
+    token = itertools.count(1000)
+    for n, action, pick in ops:
+        if action == 0 or not live:
+            takeable = [allocator.refcount(p) == 0 or
+                        (allocator.refcount(p) == 1 and p not in {q for s in live for q in s}) for p in range(24)]
+            window = any(all(takeable[i : i + n]) for i in range(24 - n + 1))
+            held = {q for s in live for q in s}
+            try:
+                got = cache.allocate_contiguous(n)
+            except OutOfPages:
+                assert sum(takeable) < n
+                continue
+            assert len(set(got)) == n and not set(got) & held and all(allocator.refcount(p) == 1 for p in got)
+            runs = [sum(1 for _ in group) for ok, group in itertools.groupby(takeable) if ok]
+            fewest = next(k for k in range(1, len(runs) + 1) if sum(sorted(runs, reverse=True)[:k]) >= n)
+            assert sum(1 for i, p in enumerate(got) if i == 0 or got[i - 1] + 1 != p) == fewest, got
+            if window:
+                assert got == list(range(got[0], got[0] + n)), got
+            live.append(got)
+        else:
+            seq = live.pop(pick % len(live))
+            if action == 2:
+                for p in seq:
+                    cache.insert([next(token)] * PS, [p])
+            allocator.decref(seq)
+    assert cache.num_cached_pages == sum(1 for p in range(24) if allocator.refcount(p) == 1) - sum(map(len, live))

@@ -1,8 +1,9 @@
 """The TCP fallback's receiver: bytes land in exactly the granted slots; anything else is refused.
 
-Each test runs twice: reading and writing the pool in place (a pool in host memory), and staged
-through host buffers, the path of a pool in GPU memory (here on the CPU: gather, staging copies
-and offsets are the same; pinning and the CUDA event are what only a GPU adds)."""
+Each test runs three times: reading and writing the pool in place (a pool in host memory, long
+runs), staged through host buffers, the path of a pool in GPU memory (here on the CPU: gather,
+staging copies and offsets are the same; pinning and the CUDA event are what only a GPU adds),
+and a host pool's short runs (gathered into one buffer, received into one and scattered)."""
 from __future__ import annotations
 
 import time
@@ -19,10 +20,12 @@ from common.transports import tcp_transport
 from common.transports.tcp_transport import TcpKvReceiver, TcpKvSession, WriteGrant
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["in-place", "staged"])
+@pytest.fixture(autouse=True, params=["in-place", "staged", "short-runs"])
 def staged(request, monkeypatch) -> bool:
-    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: request.param)
-    return request.param
+    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: request.param == "staged")
+    if request.param == "in-place":  # these runs are short: send and receive them in place all the same
+        monkeypatch.setattr(tcp_transport, "_STAGE_BELOW", 0)
+    return request.param == "staged"
 
 
 def _pools():
@@ -107,5 +110,25 @@ def test_a_failed_device_copy_fails_the_transfer(monkeypatch):
         with pytest.raises(TransferError, match="illegal memory access"):
             session.finish()
         assert session.failed and not dst.data.any()
+    finally:
+        receiver.close()
+
+
+def test_frames_of_changing_sizes_land_exactly():
+    """Each layer sends a different set of runs (larger, then smaller): reused staging buffers
+    must not misplace rows."""
+    src, dst = _pools()
+    segments = [(0, 8), (12, 4), (20, 8)]
+    receiver = _receiver(dst, segments, [])
+    try:
+        per_layer = [[Piece(0, 0, 8), Piece(9, 12, 4), Piece(16, 20, 8)], [Piece(4, 20, 3)], [Piece(1, 1, 6)]]
+        session = TcpKvSession(receiver.address, src, "r", 7)
+        for layer, pieces in enumerate(per_layer):
+            session.post_layer(layer, pieces)
+        session.finish()
+        for layer, pieces in enumerate(per_layer):
+            for p in pieces:
+                assert torch.equal(dst.data[layer, :, p.dst_slot : p.dst_slot + p.num_slots],
+                                   src.data[layer, :, p.src_slot : p.src_slot + p.num_slots])
     finally:
         receiver.close()

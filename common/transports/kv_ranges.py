@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from common.kv_metadata import encode_segments
 from common.kv_pool import KVPool
 
@@ -53,3 +55,44 @@ def layer_byte_ranges(pool: KVPool, layer: int, slots_and_counts: Sequence[tuple
     base, sb = pool.data.data_ptr(), pool.slot_bytes()
     return [(base + byte_offset(pool.num_slots, sb, layer, kv, start), n * sb)
             for kv in (0, 1) for start, n in slots_and_counts]
+
+
+def page_blocks(base: int, num_layers: int, num_slots: int, page_size: int, slot_bytes: int) -> np.ndarray:
+    """`(num_layers * 2 * num_pages, 2)` array of (address, nbytes): every page of every
+    (layer, K|V) of a pool tensor at `base`, block `(layer * 2 + kv) * num_pages + page`."""
+    num_pages = num_slots // page_size
+    page_bytes = page_size * slot_bytes
+    blocks = np.empty((num_layers * 2 * num_pages, 2), dtype=np.int64)
+    blocks[:, 0] = base + np.arange(num_layers * 2 * num_pages, dtype=np.int64) * page_bytes
+    blocks[:, 1] = page_bytes
+    return blocks
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """A transfer's pieces split into whole pages, which move as prepared blocks, and the
+    partial-page `edges` left over (a piece's ends off page boundaries), which move as ranges."""
+
+    src_pages: np.ndarray  # int64, paired with dst_pages
+    dst_pages: np.ndarray
+    edges: list[Piece]
+
+
+def plan_pages(pieces: Sequence[Piece], page_size: int) -> PagePlan:
+    """Whole pages where a piece's source and destination agree on the offset inside a page
+    (always, between pools of one page size: both hold position p at offset p % page_size)."""
+    src, dst, edges = [], [], []
+    for p in pieces:
+        head = (-p.src_slot) % page_size if p.src_slot % page_size == p.dst_slot % page_size else p.num_slots
+        head = min(head, p.num_slots)
+        full = (p.num_slots - head) // page_size
+        if head:
+            edges.append(Piece(p.src_slot, p.dst_slot, head))
+        if full:
+            src.append(np.arange(full, dtype=np.int64) + (p.src_slot + head) // page_size)
+            dst.append(np.arange(full, dtype=np.int64) + (p.dst_slot + head) // page_size)
+        if tail := p.num_slots - head - full * page_size:
+            done = head + full * page_size
+            edges.append(Piece(p.src_slot + done, p.dst_slot + done, tail))
+    empty = np.zeros(0, dtype=np.int64)
+    return PagePlan(np.concatenate(src) if src else empty, np.concatenate(dst) if dst else empty, edges)

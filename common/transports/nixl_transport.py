@@ -5,9 +5,11 @@ out ``metadata()`` (NIXL agent metadata: connection info plus the registration) 
 ``base_address`` and ``size_bytes`` over the control plane. The prefill node owns a
 :class:`NixlInitiator`: it registers its own pool, ``connect``s to each decode node with that
 metadata and posts ``write``s: one NIXL transfer per call, one descriptor per (address, nbytes)
-range, optionally carrying a notification. The decode node learns about completed transfers by
-polling :meth:`NixlTarget.poll_notifications`; a notification is delivered only after the data
-of its transfer is in place.
+range, optionally carrying a notification. For the hot path both sides are described once as
+blocks (``prepare_local``, ``prepare_remote``: NIXL's prepared descriptor lists), and
+``write_blocks`` passes only block indices (NIXL's prepared transfers). The decode node learns
+about completed transfers by polling :meth:`NixlTarget.poll_notifications`; a notification is
+delivered only after the data of its transfer is in place.
 
 Environment (read by UCX when an agent's backend is created, i.e. set it before constructing
 either class, in every process):
@@ -286,6 +288,8 @@ class NixlInitiator:
         self._generation = 0
         self._pending: set[WriteHandle] = set()
         self._stuck: list[Any] = []  # handles NIXL could not cancel: never freed while we live
+        self._local_blocks: Any = None  # prepared descriptor list of local blocks (prepare_local)
+        self._remote_blocks: dict[str, Any] = {}  # peer -> its prepared descriptor list (prepare_remote)
         nx = _load()
         self._disconnect_err = nx["disconnect"]
         self._not_found_err = nx["not_found"]
@@ -334,6 +338,8 @@ class NixlInitiator:
     def _remove_locked(self, peer_name: str) -> None:
         self._peers.pop(peer_name, None)
         self._peer_memory.pop(peer_name, None)
+        if (blocks := self._remote_blocks.pop(peer_name, None)) is not None:
+            self._release_dlist(blocks)
         try:
             self._agent.remove_remote_agent(peer_name)
         except self._nixl_errors as exc:
@@ -367,7 +373,6 @@ class NixlInitiator:
         if int(local[:, 0].min()) < self._lo or int((local[:, 0] + local[:, 1]).max()) > self._hi:
             raise ValueError("a local range is outside the registered local tensor")
         notif = b"" if notification is None else bytes(notification)
-        descs = np.zeros((len(local), 3), dtype=np.uint64)  # [addr, len, dev_id]
         with self._lock:
             agent = self._live()
             if peer_name not in self._peers:
@@ -378,10 +383,8 @@ class NixlInitiator:
             if remote_memory is None:
                 raise TransferError(f"a remote range is outside the memory {peer_name!r} registered",
                                     grpc.StatusCode.INVALID_ARGUMENT)
-            descs[:, :2], descs[:, 2] = local, self._memory[1]
-            ldl = agent.get_xfer_descs(descs, self._memory[0])
-            descs[:, :2], descs[:, 2] = remote, remote_memory[1]
-            rdl = agent.get_xfer_descs(descs, remote_memory[0])
+            ldl = agent.get_xfer_descs(_descs(local, self._memory[1]), self._memory[0])
+            rdl = agent.get_xfer_descs(_descs(remote, remote_memory[1]), remote_memory[0])
             try:
                 xfer = agent.initialize_xfer("WRITE", ldl, rdl, peer_name, notif)
             except self._not_found_err:
@@ -389,20 +392,87 @@ class NixlInitiator:
                                     grpc.StatusCode.INVALID_ARGUMENT) from None
             except self._nixl_errors as exc:
                 raise self._error_locked(peer_name, generation, exc, "preparing") from None
-            handle = WriteHandle(peer_name, len(local), int(local[:, 1].sum()), time.monotonic(), xfer,
-                                 generation)
+            return self._post_locked(agent, peer_name, generation, xfer, len(local), int(local[:, 1].sum()), notif)
+
+    def _post_locked(self, agent: Any, peer_name: str, generation: int, xfer: Any, num_descriptors: int,
+                     nbytes: int, notif: bytes) -> WriteHandle:
+        handle = WriteHandle(peer_name, num_descriptors, nbytes, time.monotonic(), xfer, generation)
+        try:
+            state = agent.transfer(xfer, notif)
+        except self._nixl_errors as exc:
+            state, err = "ERR", exc
+        else:
+            err = None
+        if state == "ERR":
+            self._release_locked(handle)
+            raise self._error_locked(peer_name, generation, err, "posting") from None
+        handle._done = state == "DONE"
+        self._pending.add(handle)
+        return handle
+
+    def prepare_local(self, blocks: np.ndarray) -> None:
+        """Describe the local tensor once as blocks (an ``(N, 2)`` array of absolute address and
+        nbytes, each inside the tensor) for :meth:`write_blocks`, which then names them by index."""
+        local = _ranges(blocks, "blocks")
+        if len(local) == 0 or int(local[:, 0].min()) < self._lo or int((local[:, 0] + local[:, 1]).max()) > self._hi:
+            raise ValueError("a local block is outside the registered local tensor")
+        with self._lock:
+            agent = self._live()
+            if self._local_blocks is not None:
+                self._release_dlist(self._local_blocks)
+            self._local_blocks = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(local, self._memory[1]),
+                                                       self._memory[0])
+
+    def prepare_remote(self, peer_name: str, blocks: np.ndarray) -> None:
+        """Describe a connected peer's pool once as blocks (``(N, 2)``: address, nbytes), for
+        :meth:`write_blocks`. Dropped with the peer (disconnect, or connect with new metadata).
+        Raises :class:`TransferError` (``INVALID_ARGUMENT``) when a block is outside its pool."""
+        remote = _ranges(blocks, "blocks")
+        if len(remote) == 0:
+            raise ValueError("blocks: no blocks to prepare")
+        with self._lock:
+            agent = self._live()
+            if peer_name not in self._peers:
+                raise TransferError(f"not connected to {peer_name!r}: call connect() with its metadata",
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+            lo = int(remote[:, 0].min())
+            span = np.array([[lo, int((remote[:, 0] + remote[:, 1]).max()) - lo]], dtype=np.int64)
+            memory = self._remote_memory_locked(peer_name, span[0])
+            if memory is None or not agent.check_remote_metadata(
+                    peer_name, agent.get_xfer_descs(_descs(span, memory[1]), memory[0])):
+                raise TransferError(f"a block is outside the memory {peer_name!r} registered",
+                                    grpc.StatusCode.INVALID_ARGUMENT)
             try:
-                state = agent.transfer(xfer, notif)
+                prepared = agent.prep_xfer_dlist(peer_name, _descs(remote, memory[1]), memory[0])
             except self._nixl_errors as exc:
-                state, err = "ERR", exc
-            else:
-                err = None
-            if state == "ERR":
-                self._release_locked(handle)
-                raise self._error_locked(peer_name, generation, err, "posting") from None
-            handle._done = state == "DONE"
-            self._pending.add(handle)
-            return handle
+                raise TransferError(f"cannot describe the pool of {peer_name!r}: {type(exc).__name__}: {exc}",
+                                    grpc.StatusCode.INVALID_ARGUMENT) from None
+            if (old := self._remote_blocks.pop(peer_name, None)) is not None:
+                self._release_dlist(old)
+            self._remote_blocks[peer_name] = prepared
+
+    def write_blocks(self, peer_name: str, local_indices: np.ndarray, remote_indices: np.ndarray,
+                     nbytes: int, notification: bytes | None = None) -> WriteHandle:
+        """Post ONE transfer copying local block ``local_indices[i]`` to the peer's block
+        ``remote_indices[i]`` (both prepared; equal sizes pairwise). Only the indices cross into
+        NIXL, which merges blocks adjacent on both sides into one transfer. ``nbytes`` (the total)
+        is for reporting. Errors as for :meth:`write`."""
+        if len(local_indices) != len(remote_indices) or len(local_indices) == 0:
+            raise ValueError(f"{len(local_indices)} local but {len(remote_indices)} remote block indices")
+        notif = b"" if notification is None else bytes(notification)
+        with self._lock:
+            agent = self._live()
+            if peer_name not in self._remote_blocks or self._local_blocks is None:
+                raise TransferError(f"no prepared blocks for {peer_name!r}: connect() and prepare_remote() first",
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+            generation = self._peers[peer_name][1]
+            try:
+                xfer = agent.make_prepped_xfer("WRITE", self._local_blocks, local_indices.astype(np.int32, copy=False),
+                                               self._remote_blocks[peer_name],
+                                               remote_indices.astype(np.int32, copy=False), notif)
+            except self._nixl_errors as exc:
+                raise self._error_locked(peer_name, generation, exc, "preparing") from None
+            return self._post_locked(agent, peer_name, generation, xfer, len(local_indices), nbytes, notif)
 
     def is_done(self, handle: WriteHandle) -> bool:
         """Whether the transfer is DONE, without waiting (an error shows in `wait`)."""
@@ -464,6 +534,9 @@ class NixlInitiator:
             self._pending.clear()
             for peer in list(self._peers):
                 self._remove_locked(peer)
+            if self._local_blocks is not None:
+                self._release_dlist(self._local_blocks)
+                self._local_blocks = None
             if not self._stuck:
                 try:
                     self._agent.deregister_memory(self._reg)
@@ -492,6 +565,12 @@ class NixlInitiator:
             else:
                 return None
         return self._peer_memory[peer]
+
+    def _release_dlist(self, prepared: Any) -> None:
+        try:
+            self._agent.release_dlist_handle(prepared)
+        except Exception as exc:  # the agent frees it with itself anyway
+            log.warning("NIXL could not release a prepared descriptor list: %s", exc)
 
     def _release_locked(self, handle: WriteHandle) -> bool:
         """Release (cancelling if still active); False if NIXL refused (it keeps writing)."""
@@ -533,6 +612,13 @@ def _ranges(ranges: Sequence[tuple[int, int]] | np.ndarray, what: str) -> np.nda
     if len(arr) and (arr[:, 0].min() <= 0 or arr[:, 1].min() <= 0):
         raise ValueError(f"{what}: addresses and sizes must be positive")
     return arr
+
+
+def _descs(ranges: np.ndarray, device: int) -> np.ndarray:
+    """NIXL's ``(N, 3)`` descriptor array: address, nbytes, device id."""
+    descs = np.empty((len(ranges), 3), dtype=np.uint64)
+    descs[:, :2], descs[:, 2] = ranges, device
+    return descs
 
 
 def _name(name: str | bytes) -> str:

@@ -1,11 +1,17 @@
 """KV over plain TCP, for machines where NIXL/UCX cannot load.
 
-One connection per transfer. The sender streams frames; the receiver validates each write
-against the reservation it was told about and `recv_into`s the bytes straight into the pool
-slice they belong to (no staging copy). Wire format (little-endian):
+One connection per transfer, one frame per layer. The sender sends a layer's K and V runs with
+gather I/O (`sendmsg` of the pool's slot views: no staging copy); the receiver checks every run
+of the frame against the reservation it was told about, then receives the payload with scatter
+I/O (`recvmsg_into` straight into the slots' views). Short runs (a page or two each, below
+_STAGE_BELOW bytes on average) cost more per view than they carry, so such a frame is gathered
+into one buffer where the layer is posted (one indexed copy, like a GPU pool's) and received
+into one staging buffer that one indexed copy scatters into the slots, on a helper thread while
+the next frame arrives. Wire format (little-endian):
 
-    BEGIN  b"DKV1" | u16 id_len | u64 nonce | request_id
-    WRITE  u8 1 | u16 layer | u8 kv | u64 dst_slot | u32 num_slots | num_slots*slot_bytes bytes
+    BEGIN  b"DKV2" | u16 id_len | u64 nonce | request_id
+    LAYER  u8 3 | u16 layer | u32 num_runs | num_runs * (u64 dst_slot, u32 num_slots)
+           | the K rows of every run, in run order | then their V rows
     END    u8 2
     reply  u8 gRPC status code (0 ok) | u32 msg_len | msg   (sent once, after END or on error)
 
@@ -17,39 +23,47 @@ alive: once it is gone, a stall of POLL_S drops the connection and the pin.
 A pool in GPU memory goes through host memory. The sender gathers a layer's pieces on the
 device into one buffer (cuda/paged_kv.py: one kernel, not a copy per piece), copies it to pinned
 host memory without blocking the forward thread, and its sender thread waits for that copy
-before sending the layer. The receiver lands each frame in pinned host memory and copies it
-into its slots, which are one contiguous run.
+before sending the layer. The receiver lands each frame's payload in pinned host memory and
+scatters it into the slots with one indexed copy.
 """
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
+import math
 import queue
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from common.errors import RequestError
 from common.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import Piece
-from cuda.paged_kv import gather_from_slots
+from cuda.paged_kv import gather_from_slots, scatter_to_slots
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"DKV1"
+_MAGIC = b"DKV2"
 _BEGIN = struct.Struct("<4sHQ")
 _OP = struct.Struct("<B")
-_WRITE = struct.Struct("<HBQI")
+_LAYER = struct.Struct("<HI")
+_RUNS = np.dtype([("slot", "<u8"), ("n", "<u4")])  # a LAYER frame's runs
 _REPLY = struct.Struct("<BI")
-_OP_WRITE, _OP_END = 1, 2
+_OP_END, _OP_LAYER = 2, 3
+# Buffers per sendmsg / recvmsg_into call (Linux allows 1024): a call moves at most what the
+# socket buffer holds, and passing many more views than that costs Python time on every call.
+_IOV_BATCH = 64
+# A frame whose runs average fewer bytes than this lands in one staging buffer and is then
+# scattered with one indexed copy: cheaper than receiving into many small slot views.
+_STAGE_BELOW = 64 * 1024
 MAX_REQUEST_ID_BYTES = 1024
 BEGIN_TIMEOUT_S = 10.0  # a connection must say which reservation it writes within this
 POLL_S = 1.0  # how often a receiver waiting for bytes checks its reservation is still alive
@@ -85,6 +99,46 @@ def _recv_exact(sock: socket.socket, buf: memoryview, alive: Callable[[], bool] 
         buf = buf[n:]
 
 
+def _recv_into_all(sock: socket.socket, views: list[memoryview], alive: Callable[[], bool]) -> None:
+    """Fill `views` in order with scatter I/O (a stall is handled as in `_recv_exact`)."""
+    i = 0
+    while i < len(views):
+        try:
+            n = sock.recvmsg_into(views[i : i + _IOV_BATCH])[0]
+        except TimeoutError:
+            if alive():
+                continue
+            raise ConnectionError("the writer stalled and its reservation is gone") from None
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        i = _advance(views, i, n)
+
+
+def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send `views` in order with gather I/O."""
+    i = 0
+    while i < len(views):
+        i = _advance(views, i, sock.sendmsg(views[i : i + _IOV_BATCH]))
+
+
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """Consume `n` bytes from `views[i:]`; the index of the first view not yet complete."""
+    while n and i < len(views):
+        if n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        else:
+            views[i], n = views[i][n:], 0
+    while i < len(views) and not views[i].nbytes:
+        i += 1
+    return i
+
+
+def _slot_views(layer_kv: memoryview, slot_bytes: int, runs: list[tuple[int, int]]) -> list[memoryview]:
+    """Views of the (start, num_slots) runs of one (layer, K|V), given as bytes."""
+    return [layer_kv[start * slot_bytes : (start + n) * slot_bytes] for start, n in runs]
+
+
 def _recv_struct(sock: socket.socket, st: struct.Struct, alive: Callable[[], bool] | None = None) -> tuple:
     raw = bytearray(st.size)
     _recv_exact(sock, memoryview(raw), alive)
@@ -105,12 +159,24 @@ def _host_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
 
 
+def _gathered(pool: KVPool, layer: int, pieces: list[Piece]) -> torch.Tensor:
+    """`[2, rows, heads, head_dim]`: the layer's K and V at the pieces' source slots, in order."""
+    slots = torch.cat([torch.arange(p.src_slot, p.src_slot + p.num_slots) for p in pieces])
+    return gather_from_slots(pool.data[layer], slots)
+
+
+def _at_least(buffer: torch.Tensor | None, like: torch.Tensor, numel: int) -> torch.Tensor:
+    """`buffer` if it holds `numel` elements, else a new flat one of `like`'s dtype that does."""
+    if buffer is not None and buffer.numel() >= numel:
+        return buffer
+    return like.new_empty(numel)
+
+
 def _stage_on_host(pool: KVPool, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor, Callable[[], None]]:
     """`[2, rows, heads, head_dim]` host copy of the layer's K/V at the pieces' source slots (in
     piece order), and a function that waits until the copy has landed. Called on the forward
     thread, so the gather is queued after the layer's compute on the same stream."""
-    slots = torch.cat([torch.arange(p.src_slot, p.src_slot + p.num_slots) for p in pieces])
-    gathered = gather_from_slots(pool.data[layer], slots)
+    gathered = _gathered(pool, layer, pieces)
     host = _host_buffer(gathered)
     host.copy_(gathered, non_blocking=gathered.is_cuda)
     if not gathered.is_cuda:
@@ -176,32 +242,74 @@ class TcpKvReceiver:
             self._slots.release()
 
     def _receive_writes(self, conn: socket.socket, grant: WriteGrant) -> None:
+        """Receive frames until END. A host pool's staged frames are scattered on a helper thread
+        (torch's copy runs without the GIL) while the next frame arrives; all are done on return."""
+        on_host = not self.pool.data.is_cuda
+        scatters = ThreadPoolExecutor(1, thread_name_prefix="tcp-kv-scatter") if on_host else None
+        pending: Future | None = None
+        buffers: list[torch.Tensor | None] = [None, None]
+        try:
+            for layer, slot, n in self._frames(conn, grant):
+                if not (_through_host(self.pool) or int(n.sum()) * self.pool.slot_bytes() < _STAGE_BELOW * len(n)):
+                    sb, pairs = self.pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
+                    views = [view for kv in (0, 1)
+                             for view in _slot_views(_writable_bytes(self.pool.data[layer, kv]), sb, pairs)]
+                    _recv_into_all(conn, views, grant.alive)
+                    continue
+                rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
+                shape = (2, len(rows), *self.pool.data.shape[3:])
+                if on_host:  # two buffers, reused: one is received into while the other is scattered
+                    buffers[0], buffers[1] = buffers[1], _at_least(buffers[0], self.pool.data, math.prod(shape))
+                    staged = buffers[1][: math.prod(shape)].view(shape)
+                else:
+                    staged = _host_buffer(self.pool.data[layer, :, : len(rows)])
+                _recv_exact(conn, _writable_bytes(staged), grant.alive)
+                if pending is not None:
+                    pending.result()
+                if scatters is None:
+                    self._scatter(layer, staged, rows)
+                else:
+                    pending = scatters.submit(self._scatter, layer, staged, rows)
+            if pending is not None:
+                pending.result()
+        finally:
+            if scatters is not None:
+                scatters.shutdown(wait=True)
+
+    def _frames(self, conn: socket.socket, grant: WriteGrant) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Each LAYER frame's layer and runs (first slots, lengths), checked against the grant,
+        until END; its payload must be read before the next one is asked for."""
         pool, alive = self.pool, grant.alive
-        segments = sorted(grant.segments)
-        starts = [start for start, _ in segments]
-
-        def granted(slot: int, n: int) -> bool:
-            i = bisect.bisect_right(starts, slot) - 1
-            return i >= 0 and slot + n <= segments[i][0] + segments[i][1]
-
+        segments = np.array(sorted(grant.segments), dtype=np.int64).reshape(-1, 2)
+        starts, ends = segments[:, 0], segments[:, 0] + segments[:, 1]
         while True:
             (op,) = _recv_struct(conn, _OP, alive)
             if op == _OP_END:
                 return
-            if op != _OP_WRITE:
+            if op != _OP_LAYER:
                 raise ValueError(f"unknown frame type {op}")
-            layer, kv, slot, n = _recv_struct(conn, _WRITE, alive)
-            if not (layer < pool.num_layers and kv < 2 and n > 0 and granted(slot, n)):
-                _reply(conn, grpc.StatusCode.PERMISSION_DENIED,
-                       f"write outside the reservation: layer {layer} kv {kv} slots [{slot}, {slot + n})")
-                raise ValueError("write outside the reservation")
-            target = pool.data[layer, kv, slot : slot + n]
-            if _through_host(pool):
-                staged = _host_buffer(target)
-                _recv_exact(conn, _writable_bytes(staged), alive)
-                target.copy_(staged)
-            else:
-                _recv_exact(conn, _writable_bytes(target), alive)
+            layer, num_runs = _recv_struct(conn, _LAYER, alive)
+            if not (layer < pool.num_layers and 0 < num_runs <= pool.num_slots):
+                self._refuse(conn, f"a frame for layer {layer} with {num_runs} runs")
+            raw = bytearray(num_runs * _RUNS.itemsize)
+            _recv_exact(conn, memoryview(raw), alive)
+            runs = np.frombuffer(raw, dtype=_RUNS)
+            slot, n = runs["slot"].astype(np.int64), runs["n"].astype(np.int64)
+            seg = np.searchsorted(starts, slot, side="right") - 1
+            granted = (seg >= 0) & (n > 0) & (slot + n <= ends[np.maximum(seg, 0)])
+            if not granted.all():
+                bad = int(np.flatnonzero(~granted)[0])
+                self._refuse(conn, f"layer {layer} slots [{slot[bad]}, {slot[bad] + n[bad]})")
+            yield layer, slot, n
+
+    def _scatter(self, layer: int, staged: torch.Tensor, rows: torch.Tensor) -> None:
+        """A staged frame into its slots with one indexed copy."""
+        scatter_to_slots(self.pool.data[layer], staged.to(self.pool.data.device, non_blocking=True), rows)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, what: str) -> None:
+        _reply(conn, grpc.StatusCode.PERMISSION_DENIED, f"write outside the reservation: {what}")
+        raise ValueError("write outside the reservation")
 
 
 def _reply(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
@@ -230,7 +338,7 @@ class TcpKvSession:
         rid = request_id.encode()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._queue.put(_BEGIN.pack(_MAGIC, len(rid), nonce) + rid)
+        self._queue.put([memoryview(_BEGIN.pack(_MAGIC, len(rid), nonce) + rid)])
         self._thread = threading.Thread(target=self._send_loop, name="tcp-kv-send", daemon=True)
         self._thread.start()
 
@@ -240,23 +348,27 @@ class TcpKvSession:
         return self._error is not None
 
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
-        if pieces and _through_host(self._pool):
-            staged, wait_copied = _stage_on_host(self._pool, layer, pieces)
+        """Queue the layer's frame: its header, then the K and V rows of the pieces."""
+        if not pieces:
+            return
+        runs = np.array([(p.dst_slot, p.num_slots) for p in pieces], dtype=_RUNS)
+        header = [memoryview(_OP.pack(_OP_LAYER) + _LAYER.pack(layer, len(pieces)) + runs.tobytes())]
+        pool, sb = self._pool, self._pool.slot_bytes()
+        if _through_host(pool):
+            staged, wait_copied = _stage_on_host(pool, layer, pieces)
             self._queue.put(wait_copied)  # the sender thread waits here, not the forward
-            offsets = list(itertools.accumulate((p.num_slots for p in pieces), initial=0))
-            rows = [staged[:, offset : offset + p.num_slots] for offset, p in zip(offsets, pieces)]
+            self._queue.put(header + [_writable_bytes(staged)])
+        elif sum(p.num_slots for p in pieces) * sb < _STAGE_BELOW * len(pieces):  # short runs: one buffer,
+            self._queue.put(header + [_writable_bytes(_gathered(pool, layer, pieces))])  # gathered here
         else:
-            rows = [self._pool.data[layer, :, p.src_slot : p.src_slot + p.num_slots] for p in pieces]
-        for kv in (0, 1):
-            for p, piece_rows in zip(pieces, rows):
-                header = _OP.pack(_OP_WRITE) + _WRITE.pack(layer, kv, p.dst_slot, p.num_slots)
-                self._queue.put(header)
-                self._queue.put(piece_rows[kv])
+            src = [(p.src_slot, p.num_slots) for p in pieces]
+            self._queue.put(header + [view for kv in (0, 1)
+                                      for view in _slot_views(_writable_bytes(pool.data[layer, kv]), sb, src)])
         self._queue.put(layer)  # the sender reports the layer sent when it gets here
 
     def finish(self) -> None:
         """Send END and wait for the receiver's verdict; raises TransferError."""
-        self._queue.put(_OP.pack(_OP_END))
+        self._queue.put([memoryview(_OP.pack(_OP_END))])
         self._queue.put(None)
         self._thread.join()
         try:
@@ -299,6 +411,6 @@ class TcpKvSession:
                     item()
                     continue
                 self._sock.settimeout(self._remaining())
-                self._sock.sendall(item if isinstance(item, bytes) else _writable_bytes(item))
+                _send_all(self._sock, item)
             except Exception as exc:  # not only OSError: a sender thread must never die silently
                 self._error = exc  # keep draining; finish() reports it (after reading any reply)

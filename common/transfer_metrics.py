@@ -1,0 +1,39 @@
+"""The KV transfer metrics both nodes export, each from its own side of the hand-off.
+
+- ``duet_kv_transfer_bytes_total``: K and V bytes of completed transfers.
+- ``duet_kv_transfer_seconds``: the transfer alone, apart from prefill: on the prefill node from
+  its first layer handed to the transport to the decode node's confirmation of CompleteTransfer;
+  on the decode node from BeginTransfer (the writer's last check before its first byte) to
+  CompleteTransfer.
+- ``duet_kv_transfer_segments``: destination segments (``kv_append_metadata[0]``) per transfer.
+- ``duet_kv_transfer_failures_total{reason}``: transfers that began and did not complete. The
+  prefill node's reason is the gRPC status it answers RemoteSend with, lower case
+  (``unavailable``, ``deadline_exceeded``, ...); the decode node's is ``abandoned`` (the writer
+  gave up), ``aborted`` or ``lease_expired`` (the reservation ended with its transfer under way).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_SEGMENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class TransferMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._bytes = Counter("duet_kv_transfer_bytes", "K and V bytes moved by completed KV transfers",
+                              registry=registry)
+        self._seconds = Histogram("duet_kv_transfer_seconds", "KV transfer time, first write posted to "
+                                  "confirmation (prefill not included)", buckets=_SECONDS_BUCKETS, registry=registry)
+        self._segments = Histogram("duet_kv_transfer_segments", "Destination slot segments per KV transfer",
+                                   buckets=_SEGMENT_BUCKETS, registry=registry)
+        self._failures = Counter("duet_kv_transfer_failures", "KV transfers that began and did not complete, "
+                                 "by reason", ["reason"], registry=registry)
+
+    def completed(self, nbytes: int, seconds: float, segments: int) -> None:
+        self._bytes.inc(nbytes)
+        self._seconds.observe(seconds)
+        self._segments.observe(segments)
+
+    def failed(self, reason: str) -> None:
+        self._failures.labels(reason).inc()
