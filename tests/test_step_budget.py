@@ -40,3 +40,41 @@ def test_costs_are_smoothed() -> None:
 def test_rejects_a_non_positive_target() -> None:
     with pytest.raises(ValueError):
         StepBudget(0.0)
+
+
+def test_scheduler_chunks_prompts_next_to_decodes(model, tokenizer) -> None:
+    """With a target no step can meet, a prompt arriving while another request decodes is
+    prefilled MIN_CHUNK tokens per step, and both requests still get the tokens of running alone."""
+    import random
+
+    from common.engine import Engine
+    from common.sampling import SamplingParams
+    from common.scheduler import Scheduler
+    from tests.reference import engine_greedy
+    from tests.test_scheduler import collect
+
+    engine = Engine(model, num_pages=64, page_size=16)
+    steps: list[list[int]] = []
+    forward = engine.forward
+
+    def recording(work, *args, **kwargs):
+        steps.append([n for _, n in work])
+        return forward(work, *args, **kwargs)
+
+    engine.forward = recording
+    s = Scheduler(engine, tokenizer, max_batch_tokens=512, max_step_ms=0.001)
+    s.start()
+    try:
+        rng = random.Random(0)
+        short, long = rng.choices(range(100, 40000), k=8), rng.choices(range(100, 40000), k=200)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        first = s.submit("short", engine.new_sequence("short", short), params)
+        assert first.next_chunk(timeout=120) is not None  # decoding now
+        second = s.submit("long", engine.new_sequence("long", long), params)
+        got_first, got_second = collect(first)[0], collect(second)[0]
+    finally:
+        s.stop()
+    mixed = [n for step in steps if 1 in step for n in step if n > 1]
+    assert mixed and max(mixed) == MIN_CHUNK, steps
+    assert got_first == engine_greedy(model, short, 12)[1:]
+    assert got_second == engine_greedy(model, long, 12)
