@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_prepare_receive
 	$(PY) -m scripts.bench_transfer
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
+	$(PY) -m scripts.bench_colocated
 
 # On a machine with an NVIDIA GPU: kernels, bf16 engine vs transformers, VRAM pools over NIXL, KV
 # bandwidth (docs/gpu.md). The script picks or prepares a Python whose torch sees the GPU.

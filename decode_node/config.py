@@ -28,7 +28,7 @@ class DecodeNodeConfig(DaemonConfig):
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
     # Latency target of one engine step that carries prompt chunks next to decodes; 0 = none
     # (chunks fill --max-batch-tokens). common/step_budget.py
-    max_step_ms: float = 150.0
+    max_step_ms: float = 100.0
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
     served_model_name: str = ""  # the model name that API answers to; "" = derived from --model
 

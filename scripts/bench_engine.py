@@ -25,7 +25,9 @@ so it holds up while other processes load the machine; the absolute numbers do n
 Goals (informational; the exit status is 0 either way): decode at batch 8 at most 0.8x
 transformers' step time, prefill at least 1.0x transformers' throughput.
 
-Usage: python -m scripts.bench_engine [--quick] [--json FILE]
+Set DUET_DISABLE_CPU_KERNELS=1 to measure the torch attention fallback instead of the CPU kernel.
+
+Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--json FILE]
 """
 from __future__ import annotations
 
@@ -191,8 +193,8 @@ def load_models() -> tuple[LlamaModel, torch.nn.Module]:
     return ours, hf.eval()
 
 
-def run(quick: bool) -> list[Row]:
-    prefill_lengths = [128, 512] if quick else [128, 512, 2048]
+def run(quick: bool, decode_only: bool = False) -> list[Row]:
+    prefill_lengths = [] if decode_only else [128, 512] if quick else [128, 512, 2048]
     decode_cases = QUICK_DECODE_CASES if quick else DECODE_CASES
     warmup, iters = (1, 3) if quick else (2, 5)
     decode_warmup, decode_iters = (2, 8) if quick else (3, 15)
@@ -261,12 +263,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurements")
     args = parser.parse_args()
 
     started = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; measuring...", flush=True)
     busy_before = busy_fraction()
-    rows = run(args.quick)
+    rows = run(args.quick, args.decode_only)
     load_after = os.getloadavg()[0]  # ours counts for up to one per thread
     print()
     print(format_table(rows))
