@@ -4,9 +4,11 @@ step, and with it every running stream's inter-token latency, stays within a lat
 A step's cost is modelled as (the cost of its decode tokens alone) + (prompt tokens) x (cost per
 prompt token), both measured from the steps the scheduler runs (exponential moving averages):
 decode-only steps give the first term, mixed and prefill-only steps the second. With requests
-decoding, a step gets the prompt tokens that fit in `max_step_ms` after the decode part, but at
-least `MIN_CHUNK` (prompts always progress); with none decoding, nobody waits, and the step takes
-the whole token budget. Until a cost is measured the model assumes nothing and grants the full
+decoding, a step gets the prompt tokens that fit in `max_step_ms` after the decode part; where
+the decode part alone takes (nearly) that long (a slow or busy machine, a large batch), the
+prompt part still gets as long as the decode part, and at least `MIN_CHUNK` tokens: prompts keep
+progressing at a rate that scales with the machine, at most doubling the step. With none
+decoding, nobody waits, and the step takes the whole token budget. Until a cost is measured the model assumes nothing and grants the full
 budget, which measures it.
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ class StepBudget:
         `budget` left by them (the --max-batch-tokens budget)."""
         if self.max_step_ms is None or decoding == 0 or self.prefill_token_ms is None:
             return budget
-        spare = self.max_step_ms - (self.decode_ms or 0.0)
+        decode_ms = self.decode_ms or 0.0
+        spare = max(self.max_step_ms - decode_ms, decode_ms)
         return min(budget, max(MIN_CHUNK, int(spare / self.prefill_token_ms)))
 
     def record(self, decoding: int, prefill: int, elapsed_ms: float) -> None:
