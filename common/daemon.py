@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from common import placement
 from common.daemon_limits import CHANNEL_OPTIONS
 from common.tls import TlsFiles
 from common.tracing import TraceFileWriter
@@ -107,15 +108,14 @@ class GrpcDaemon:
 
 
 def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], object]) -> int:
-    """The shared `main` of both daemons: logging and threads from `config`, bind the port
+    """The shared `main` of both daemons: logging and placement from `config`, bind the port
     first (a taken port fails fast), then `start(daemon, config)` loads the model, builds the
     node and registers its servicer; serve until SIGTERM and shut the node down."""
     import torch
 
     setup_logging(config.log_level)
     torch.set_grad_enabled(False)
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    placement.apply(config.cpus, config.threads, config.nice)
     daemon = GrpcDaemon(config.host, config.port, config.tls)
     node = start(daemon, config)
     trace_file = TraceFileWriter(node.tracer, config.trace) if config.trace is not None else None

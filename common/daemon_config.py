@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from common.placement import parse_cpus
 from common.tls import TlsFiles
 from common.transports import TRANSPORTS
 
@@ -48,7 +49,9 @@ class DaemonConfig:
     page_size: int = 16  # prefill and decode nodes must agree (checked in the handshake)
     kv_pages: int = 1024  # 16k tokens at the default page size
     max_batch_tokens: int = 512
-    threads: int | None = None  # torch intra-op threads; None = torch's default
+    threads: int | None = None  # torch intra-op threads; None = one per CPU of --cpus (common/placement.py)
+    cpus: tuple[int, ...] | None = None  # CPUs to run on; None = those the process was started with
+    nice: int = 0  # added to the process's niceness at start (the prefill node defaults to 10)
     attention_sinks: int = 0  # sliding-window models: leading positions every query attends too
     device: str = "cpu"  # where the weights and the KV pool live: cpu or cuda (docs/gpu.md)
     dtype: str = "float32"  # weights, activations and KV; bfloat16 / float16 need --device cuda
@@ -81,6 +84,10 @@ class DaemonConfig:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("--threads must be >= 1")
+        if self.cpus is not None and not self.cpus:
+            raise ValueError("--cpus must name at least one CPU")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("--nice must be in [0, 19]")
         if self.attention_sinks < 0:
             raise ValueError("--attention-sinks must be >= 0")
         check_device(self.device, self.dtype)
@@ -105,7 +112,14 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
     p.add_argument("--kv-pages", type=int, default=d.kv_pages, help="pages in the KV pool (default %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one engine step; longer prompts are chunked (default %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per CPU this daemon may run on, see --cpus)")
+    p.add_argument("--cpus", type=parse_cpus, default=None, metavar="LIST",
+                   help="run on these CPUs only, e.g. 0 or 0-3,6 (default: those it was started with); "
+                   "a prefill and a decode node sharing a host may split the cores this way")
+    p.add_argument("--nice", type=int, default=d.nice, metavar="N",
+                   help="lower this daemon's CPU priority by N (0-19) at start, so that a node on the same "
+                   "cores gets them first (default %(default)s)")
     p.add_argument("--attention-sinks", type=int, default=d.attention_sinks, metavar="N",
                    help="sliding-window models only: every query also attends the first N positions "
                    "(StreamingLLM sinks); prefill and decode nodes must agree (default %(default)s)")

@@ -2,7 +2,9 @@
 
 Every step runs one forward that holds one token for each decoding request and, within the
 token budget, prefill chunks of requests still prefilling (oldest first), so a long prompt
-never stalls the running decodes for more than one chunk. Requests join and leave between
+never stalls the running decodes for more than one chunk. With `max_step_ms` set, the chunks a
+step carries next to decodes are sized from measured step costs to keep the step within it
+(common/step_budget.py). Requests join and leave between
 steps. When the pool runs out of pages mid-decode, the newest request is preempted: its
 pages go to the prefix cache and it is recomputed later (usually from those cached pages).
 
@@ -30,6 +32,7 @@ from common.engine import Engine, Sequence
 from common.engine_loop import EngineLoop
 from common.page_allocator import OutOfPages
 from common.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
+from common.step_budget import StepBudget
 from common.tokenizer import Tokenizer
 from common.tracing import Tracer
 
@@ -123,13 +126,14 @@ class RequestHandle:
 
 class Scheduler(EngineLoop):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, max_step_ms: float | None = None) -> None:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         super().__init__(engine, name="scheduler")
         self.tracer = tracer or Tracer("scheduler")
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
+        self.step_budget = StepBudget(max_step_ms)  # bounds the prompt tokens a step carries next to decodes
         self._active: list[_Request] = []  # admission order
         self._aborts: set[str] = set()
 
@@ -197,6 +201,7 @@ class Scheduler(EngineLoop):
             time.sleep(0.001)
             return
         scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt}
+        started = time.perf_counter()
         try:
             logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)
         except Exception as exc:  # a bug or a bad model state must not kill the daemon
@@ -205,6 +210,8 @@ class Scheduler(EngineLoop):
                 for r, _ in work:
                     self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
             return
+        decoding = sum(1 for _, n in work if n == 1)
+        self.step_budget.record(decoding, sum(n for _, n in work if n > 1), 1e3 * (time.perf_counter() - started))
         with self.lock:
             at = 0
             for i, (r, n) in enumerate(work):
@@ -244,6 +251,7 @@ class Scheduler(EngineLoop):
             if self._reserve(r, 1, work):
                 work.append((r, 1))
                 budget -= 1
+        budget = self.step_budget.prefill_tokens(len(work), budget)
         for r in prefilling:
             n = min(r.seq.num_pending, budget)
             if n == 0:

@@ -26,6 +26,9 @@ class DecodeNodeConfig(DaemonConfig):
     prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
     min_remote_prefill_tokens: int = 32
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
+    # Latency target of one engine step that carries prompt chunks next to decodes; 0 = none
+    # (chunks fill --max-batch-tokens). common/step_budget.py
+    max_step_ms: float = 100.0
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
     served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
 
@@ -55,6 +58,8 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--max-total-tokens must be >= 1")
         if not 0 <= self.pd_balance < 1:
             raise ValueError("--pd-balance must be in [0, 1)")
+        if self.max_step_ms < 0:
+            raise ValueError("--max-step-ms must be >= 0")
         if self.openai_port is not None and not 0 <= self.openai_port < 65536:
             raise ValueError("--openai-port must be in [0, 65535]")
 
@@ -98,5 +103,9 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
     p.add_argument("--pd-balance", type=float, default=d.pd_balance, metavar="F",
                    help="prefill the last fraction F of each prompt here instead of on the prefill node "
                    "(default %(default)s)")
+    p.add_argument("--max-step-ms", type=float, default=d.max_step_ms, metavar="MS",
+                   help="while requests are decoding, prefill only as many prompt tokens per engine step as "
+                   "fit in MS milliseconds by the measured step cost (at least 32), so running streams keep "
+                   "their inter-token latency; 0 = fill --max-batch-tokens (default %(default)s)")
     add_openai_args(p)
     return parse_config(p, DecodeNodeConfig, argv)

@@ -50,7 +50,8 @@ class DecodeNode:
         self.tokenizer = tokenizer
         self.engine = ReleaseNotifyingEngine(model, config.kv_pages, config.page_size)
         self.tracer = Tracer(f"decode {config.advertise_address}", config.trace_requests)
-        self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens, tracer=self.tracer)
+        self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens, tracer=self.tracer,
+                                   max_step_ms=config.max_step_ms or None)
         self.reservations = ReservationTable(
             self.engine, on_expire=self._lease_expired, quarantine_seconds=config.quarantine_seconds,
             on_quarantine_expiry=lambda n: self.metrics.quarantine_expiries.inc(n))

@@ -10,6 +10,7 @@ from common.daemon_config import DaemonConfig, daemon_parser, parse_config
 class PrefillNodeConfig(DaemonConfig):
     port: int = 50061
     max_batch_tokens: int = 2048
+    nice: int = 10  # yield the cores to a decode node on the same host (common/placement.py)
     transfer_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:

@@ -10,11 +10,13 @@ warm-up calls first, `time.perf_counter`, medians):
              token's logits included);
     theirs = `model(ids[1, n], use_cache=True, logits_to_keep=1)`, the prefill `generate()`
              runs (logits of the last position only, like ours).
-- decode, batch 1 / 8 / 32, each sequence holding a 128-token prompt: milliseconds per step
-  of one new token for every sequence.
+- decode, batch 1 / 4 / 8 / 32, each sequence holding 128, 1000 or 4000 positions of K/V:
+  milliseconds per step of one new token for every sequence. The K/V is zeros, written
+  directly (a step's cost does not depend on the values; prefilling 32 x 4000 tokens would take
+  minutes); a case whose K/V would take over half the available memory is skipped, and says so.
     ours   = `Engine.forward` with `(seq, 1)` per sequence, pages reserved beforehand;
-    theirs = `model(ids[B, 1], cache=..., use_cache=True)` on the DynamicCache of one batched
-             `[B, 128]` prefill (`past_key_values=` before transformers 5).
+    theirs = `model(ids[B, 1], cache=..., use_cache=True)` on a DynamicCache holding the
+             context (`past_key_values=` before transformers 5).
   Both sides run the same number of steps, so their contexts grow alike.
 
 Ratios are ours/theirs: for prefill tok/s higher is better, for decode ms/step lower is
@@ -23,7 +25,9 @@ so it holds up while other processes load the machine; the absolute numbers do n
 Goals (informational; the exit status is 0 either way): decode at batch 8 at most 0.8x
 transformers' step time, prefill at least 1.0x transformers' throughput.
 
-Usage: python -m scripts.bench_engine [--quick] [--json FILE]
+Set DUET_DISABLE_CPU_KERNELS=1 to measure the torch attention fallback instead of the CPU kernel.
+
+Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--json FILE]
 """
 from __future__ import annotations
 
@@ -46,7 +50,10 @@ from common.engine import Engine
 from common.model import LlamaModel
 
 PAGE_SIZE = 16
-DECODE_CONTEXT = 128
+DECODE_CONTEXT = 128  # the context of the decode goal
+# (context, batch) of the decode steps; 1000 and 4000 are the long contexts of issue #17.
+DECODE_CASES = [(c, b) for c in (DECODE_CONTEXT, 1000, 4000) for b in (1, 4, 8, 32)]
+QUICK_DECODE_CASES = [(DECODE_CONTEXT, 1), (DECODE_CONTEXT, 8), (1000, 1), (1000, 8)]
 PREFILL_GOAL = 1.0  # ours/theirs tok/s, at least
 DECODE_GOAL = 0.8  # ours/theirs ms/step at batch 8, at most
 DECODE_GOAL_BATCH = 8
@@ -61,6 +68,7 @@ class Row:
     ratio: float  # ours/theirs (tok/s for prefill, ms/step for decode): median over paired calls
     goal: str  # e.g. ">= 1.0x", "" when none applies
     verdict: str  # "PASS", "MISS" or ""
+    context: int = 0  # decode: K/V positions each sequence holds
 
 
 class Timed:
@@ -110,15 +118,17 @@ def prefill_theirs(hf: torch.nn.Module, prompt: list[int]) -> Timed:
     return Timed(lambda: hf(ids, use_cache=True, logits_to_keep=1))
 
 
-def decode_ours(model: LlamaModel, prompts: torch.Tensor, steps: int) -> Timed:
-    """One-token steps for every sequence; pages for `steps` more tokens reserved up front."""
-    batch, length = prompts.shape
-    per_seq = -(-(length + steps) // PAGE_SIZE)
+def decode_ours(model: LlamaModel, batch: int, context: int, steps: int) -> Timed:
+    """One-token steps for every sequence, each holding `context` positions of K/V already (zeros:
+    a step's cost does not depend on the values); pages for `steps` more tokens reserved up front."""
+    per_seq = -(-(context + steps) // PAGE_SIZE)
     engine = Engine(model, num_pages=batch * per_seq, page_size=PAGE_SIZE)
+    prompts = random_prompts(batch, context, model.config.vocab_size, seed=batch)
     seqs = [engine.new_sequence(f"s{i}", prompts[i].tolist(), use_prefix_cache=False) for i in range(batch)]
     for seq in seqs:
-        engine.reserve(seq, length + steps)
-    logits = engine.forward([(seq, length) for seq in seqs])
+        engine.reserve(seq, context + steps)
+        seq.num_computed = context
+    logits = torch.zeros(batch, model.config.vocab_size)
 
     def append_next() -> None:
         for seq, token in zip(seqs, logits.argmax(-1).tolist()):
@@ -131,10 +141,17 @@ def decode_ours(model: LlamaModel, prompts: torch.Tensor, steps: int) -> Timed:
     return Timed(step, before=append_next)
 
 
-def decode_theirs(hf: torch.nn.Module, prompts: torch.Tensor) -> Timed:
-    """One-token steps on the DynamicCache of one batched prefill."""
-    out = hf(prompts, use_cache=True, logits_to_keep=1)
-    cache, logits = out.past_key_values, out.logits[:, -1]
+def decode_theirs(hf: torch.nn.Module, batch: int, context: int) -> Timed:
+    """One-token steps on a DynamicCache holding `context` positions of (zero) K/V per sequence."""
+    from transformers import DynamicCache
+
+    cfg = hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache()
+    for layer in range(cfg.num_hidden_layers):
+        kv = torch.zeros(batch, cfg.num_key_value_heads, context, head_dim)
+        cache.update(kv, kv.clone(), layer)
+    logits = torch.zeros(batch, cfg.vocab_size)
     # transformers 5.x renamed the forward's `past_key_values` argument to `cache`.
     cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
@@ -144,6 +161,22 @@ def decode_theirs(hf: torch.nn.Module, prompts: torch.Tensor) -> Timed:
         logits = hf(next_ids, use_cache=True, **{cache_arg: cache}).logits[:, -1]
 
     return Timed(step)
+
+
+def kv_gib(model: LlamaModel, batch: int, context: int) -> float:
+    """GiB of K/V that one side holds for `batch` sequences of `context` positions."""
+    cfg = model.config
+    return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 4 / 2**30
+
+
+def available_gib() -> float:
+    """MemAvailable of /proc/meminfo (infinite where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) / 2**20
+    except (OSError, StopIteration):
+        return float("inf")
 
 
 def load_models() -> tuple[LlamaModel, torch.nn.Module]:
@@ -160,14 +193,15 @@ def load_models() -> tuple[LlamaModel, torch.nn.Module]:
     return ours, hf.eval()
 
 
-def run(quick: bool) -> list[Row]:
-    prefill_lengths = [128, 512] if quick else [128, 512, 2048]
-    decode_batches = [1, 8] if quick else [1, 8, 32]
+def run(quick: bool, decode_only: bool = False) -> list[Row]:
+    prefill_lengths = [] if decode_only else [128, 512] if quick else [128, 512, 2048]
+    decode_cases = QUICK_DECODE_CASES if quick else DECODE_CASES
     warmup, iters = (1, 3) if quick else (2, 5)
     decode_warmup, decode_iters = (2, 8) if quick else (3, 15)
 
     ours, hf = load_models()
     vocab = ours.config.vocab_size
+    print(f"  attention: {'CPU kernel' if ours.attention_kernel else 'torch fallback'}", flush=True)
     rows = []
     with torch.inference_mode():
         for n in prefill_lengths:
@@ -178,16 +212,22 @@ def run(quick: bool) -> list[Row]:
             verdict = "PASS" if ratio >= PREFILL_GOAL else "MISS"
             rows.append(Row("prefill", n, a, b, ratio, f">= {PREFILL_GOAL}x", verdict))
             print(f"  prefill {n:5d} tok: ours {a:8.1f} tok/s, transformers {b:8.1f} tok/s", flush=True)
-        for bsz in decode_batches:
-            prompts = random_prompts(bsz, DECODE_CONTEXT, vocab, seed=bsz)
-            sides = decode_ours(ours, prompts, decode_warmup + decode_iters), decode_theirs(hf, prompts)
-            t_ours, t_theirs, ratio = paired_medians(*sides, decode_warmup, decode_iters)
+        for context, bsz in decode_cases:
+            need = 2 * kv_gib(ours, bsz, context)  # both sides hold it
+            if need > available_gib() / 2:
+                print(f"  decode  B={bsz:3d} ctx {context:5d}: skipped, the K/V of both sides needs {need:.1f} GiB", flush=True)
+                continue
+            w, it = (1, 4) if bsz * context > 32 * 1000 else (decode_warmup, decode_iters)  # slow steps: fewer
+            sides = decode_ours(ours, bsz, context, w + it), decode_theirs(hf, bsz, context)
+            t_ours, t_theirs, ratio = paired_medians(*sides, w, it)
+            del sides  # free both sides' K/V before the next case
             a, b = 1e3 * t_ours, 1e3 * t_theirs
             goal, verdict = "", ""
-            if bsz == DECODE_GOAL_BATCH:
+            if bsz == DECODE_GOAL_BATCH and context == DECODE_CONTEXT:
                 goal, verdict = f"<= {DECODE_GOAL}x", "PASS" if ratio <= DECODE_GOAL else "MISS"
-            rows.append(Row("decode", bsz, a, b, ratio, goal, verdict))
-            print(f"  decode  B={bsz:3d}:     ours {a:8.2f} ms/step, transformers {b:8.2f} ms/step", flush=True)
+            rows.append(Row("decode", bsz, a, b, ratio, goal, verdict, context))
+            print(f"  decode  B={bsz:3d} ctx {context:5d}: ours {a:8.2f} ms/step, transformers {b:8.2f} ms/step",
+                  flush=True)
     return rows
 
 
@@ -197,7 +237,7 @@ def format_table(rows: list[Row]) -> str:
         if r.kind == "prefill":
             label, nums = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:>9.1f} {r.theirs:>13.1f}"
         else:
-            label, nums = f"decode B={r.size}, ctx {DECODE_CONTEXT} (ms/step)", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
+            label, nums = f"decode B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
         lines.append(f"{label:<32} {nums} {r.ratio:>6.3f}x  {r.goal:<8} {r.verdict}".rstrip())
     lines.append("ratio = ours/transformers (median of paired calls); prefill: higher is better, decode: lower")
     return "\n".join(lines)
@@ -223,12 +263,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurements")
     args = parser.parse_args()
 
     started = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; measuring...", flush=True)
     busy_before = busy_fraction()
-    rows = run(args.quick)
+    rows = run(args.quick, args.decode_only)
     load_after = os.getloadavg()[0]  # ours counts for up to one per thread
     print()
     print(format_table(rows))

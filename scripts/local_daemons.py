@@ -102,17 +102,27 @@ def _running(module: str, stub_class, tmp_dir: Path, args: tuple[str, ...], env:
         d.stop()
 
 
+def _sampled(module: str, env: dict[str, str] | None, profile: Path | None) -> tuple[str, dict[str, str] | None]:
+    """`module` run under scripts/stack_sampler.py, which writes its thread profile to `profile`."""
+    if profile is None:
+        return module, env
+    return "scripts.stack_sampler", {**(env or {}), "DUET_SAMPLE_MODULE": module, "DUET_SAMPLE_OUT": str(profile)}
+
+
 def decode_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, cpus: set[int] | None = None,
-                tls: TlsFiles = TlsFiles()):
+                tls: TlsFiles = TlsFiles(), profile: Path | None = None):
     """A healthy decode node daemon (`with decode_node(tmp) as d: d.stub.Generate(...)`), optionally
-    pinned to `cpus`, optionally serving (m)TLS with `tls` (also used by the returned stub)."""
-    return _running("decode_node", duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, env, cpus, tls)
+    pinned to `cpus`, optionally serving (m)TLS with `tls` (also used by the returned stub), optionally
+    writing a profile of its threads to `profile` when it stops (scripts/stack_sampler.py)."""
+    module, env = _sampled("decode_node", env, profile)
+    return _running(module, duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, env, cpus, tls)
 
 
 def prefill_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, cpus: set[int] | None = None,
-                 tls: TlsFiles = TlsFiles()):
+                 tls: TlsFiles = TlsFiles(), profile: Path | None = None):
     """A healthy prefill node daemon."""
-    return _running("prefill_node", duet_pb2_grpc.PrefillNodeStub, tmp_dir, args, env, cpus, tls)
+    module, env = _sampled("prefill_node", env, profile)
+    return _running(module, duet_pb2_grpc.PrefillNodeStub, tmp_dir, args, env, cpus, tls)
 
 
 def router(tmp_dir: Path, *args: str):

@@ -1,0 +1,128 @@
+"""Build of the CPU kernels (cpu/paged_attention.cpp) as a torch operator library, at first use.
+
+The library is compiled once with the system C++ compiler (`$CXX`, default `g++`) against the
+running torch's headers and libraries, for this machine's CPU (`-march=native`), into torch's
+extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that
+hashes the source, the torch version, the flags and the CPU's features, so later processes load
+it in milliseconds and a cache shared by different machines never hands one a library built for
+another. No ninja and no Python headers are needed (the operators register with the dispatcher,
+as cuda/paged_kv_ops.cpp does). A failed build is not an error: :func:`kernels` returns None,
+:func:`unavailable_reason` says why, and callers use the torch fallback.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "paged_attention.cpp"
+LIBRARY = "duet_cpu"
+DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops" or "reason", once decided
+
+
+def kernels() -> object | None:
+    """`torch.ops.duet_cpu` once built and loaded, or None (see :func:`unavailable_reason`)."""
+    with _lock:
+        if not _state:
+            _state.update(_load())
+        return _state.get("ops")
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`kernels` returns None, or None when the kernels are in use."""
+    kernels()
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile_command(compiler: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), f"-L{torch_lib}",
+            f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output)]
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built by `compiler` for this source, torch and CPU is cached."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(),
+                 compiler.encode(), _cpu_features().encode()):
+        key.update(part)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return root / f"{LIBRARY}-{key.hexdigest()[:16]}" / f"lib{LIBRARY}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a temporary file beside `target` and move it in: processes building at once
+    each load a whole library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(_compile_command(compiler, Path(tmp)), capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _smoke_test(ops: object) -> None:
+    """One tiny attention against torch's: a library that loads but computes wrongly here fails
+    now, not in a forward."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 8, generator=gen) for _ in range(3))
+    out = torch.empty_like(q)
+    ops.paged_attention(q, k, v, out, torch.tensor([2, 0, 1]), torch.tensor([[0, 3, 0, 3]]),
+                        torch.zeros(0, dtype=torch.bool), torch.tensor([-1]), 8 ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k[[2, 0, 1]].transpose(0, 1), v[[2, 0, 1]].transpose(0, 1), is_causal=True)
+    if not torch.allclose(out, want.transpose(0, 1), atol=1e-5):
+        raise RuntimeError("the paged attention kernel returned wrong values")
+
+
+def _load() -> dict[str, object]:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return {"reason": f"{DISABLE_ENV} is set"}
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        return {"reason": f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"}
+    try:
+        target = library_path(compiler)
+        if not target.exists():
+            _build(compiler, target)
+        torch.ops.load_library(str(target))
+        ops = getattr(torch.ops, LIBRARY)
+        _smoke_test(ops)
+        return {"ops": ops}
+    except Exception as exc:  # a compiler, loader or smoke-test failure: fall back, but say why
+        reason = f"the CPU attention kernel failed to build or run: {type(exc).__name__}: {exc}"
+        log.warning("%s; using the torch fallback", reason)
+        return {"reason": reason}

@@ -1,0 +1,188 @@
+// torch.ops.duet_cpu.paged_attention: attention that reads K/V where they lie in the paged pool.
+//
+// Shapes (checked by common/paged_attention.py before the call, re-checked here):
+//   q, out        [T, num_heads, head_dim] float32, contiguous: every sequence's new tokens
+//   keys, values  [num_slots, num_kv_heads, head_dim] float32, contiguous: one layer of the pool
+//   slots         [C] int64: the context slots of every sequence, concatenated
+//   seqs          [B, 4] int64: per sequence (first query row, queries, first entry in slots,
+//                 context length); query i of a sequence sits at context position
+//                 context_len - queries + i
+//   masks         [M] bool: row-major [queries, context_len] masks, concatenated
+//   mask_at       [B] int64: where a sequence's mask starts in masks; -1 = causal
+// Query head h reads KV head h / (num_heads / num_kv_heads), as transformers' repeat_kv does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryBlock = 4;  // queries that share one pass over the keys
+constexpr int64_t kKeyBlock = 64;  // keys scored before their values are accumulated
+constexpr int64_t kPrefetch = 4;  // rows ahead to prefetch: slots are scattered over pages
+
+struct Item {
+  int64_t seq, first, end;  // queries [first, end) of a sequence, every head
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  // 16 partial sums: the compiler turns the inner loop into one vector multiply-add.
+  float lanes[16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    for (int l = 0; l < 16; ++l) lanes[l] += a[d + l] * b[d + l];
+  }
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += lanes[l];
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* acc, float p, const float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
+}
+
+void check(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& out,
+           const at::Tensor& slots, const at::Tensor& seqs, const at::Tensor& masks, const at::Tensor& mask_at) {
+  for (const at::Tensor* t : {&q, &keys, &values, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3,
+                "q, keys, values and out must be contiguous 3-D float32 CPU tensors");
+  }
+  TORCH_CHECK(out.sizes() == q.sizes() && keys.sizes() == values.sizes() && keys.size(2) == q.size(2) &&
+                  q.size(1) % keys.size(1) == 0,
+              "q/out [T, heads, head_dim] and keys/values [slots, kv_heads, head_dim] do not agree");
+  for (const at::Tensor* t : {&slots, &seqs, &mask_at}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "slots, seqs and mask_at must be contiguous int64 CPU tensors");
+  }
+  TORCH_CHECK(masks.device().is_cpu() && masks.scalar_type() == at::kBool && masks.is_contiguous(),
+              "masks must be a contiguous bool CPU tensor");
+  TORCH_CHECK(seqs.dim() == 2 && seqs.size(1) == 4 && mask_at.numel() == seqs.size(0), "seqs must be [B, 4]");
+}
+
+void paged_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& out,
+                     const at::Tensor& slots, const at::Tensor& seqs, const at::Tensor& masks,
+                     const at::Tensor& mask_at, double scale) {
+  check(q, keys, values, out, slots, seqs, masks, mask_at);
+  const int64_t heads = q.size(1), kv_heads = keys.size(1), hd = q.size(2), group = heads / kv_heads;
+  const int64_t num_slots = keys.size(0), num_seqs = seqs.size(0);
+  const int64_t* sq = seqs.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* mat = mask_at.data_ptr<int64_t>();
+  const bool* mask_data = masks.data_ptr<bool>();
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t* s = sq + 4 * b;
+    TORCH_CHECK(s[1] >= 1 && s[1] <= s[3] && s[0] >= 0 && s[0] + s[1] <= q.size(0) && s[2] >= 0 &&
+                    s[2] + s[3] <= slots.numel(),
+                "seqs row ", b, " is out of range");
+    TORCH_CHECK(mat[b] < 0 || mat[b] + s[1] * s[3] <= masks.numel(), "mask of sequence ", b, " is out of range");
+    for (int64_t j = 0; j < s[3]; ++j) {
+      TORCH_CHECK(slot[s[2] + j] >= 0 && slot[s[2] + j] < num_slots, "slot out of range");
+    }
+  }
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    for (int64_t i = 0; i < sq[4 * b + 1]; i += kQueryBlock) {
+      items.push_back({b, i, std::min(i + kQueryBlock, sq[4 * b + 1])});
+    }
+  }
+  const float* qd = q.data_ptr<float>();
+  const float* kd = keys.data_ptr<float>();
+  const float* vd = values.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t row = kv_heads * hd;  // floats per slot
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    // One pass over the keys in blocks, with a running max and sum per (query, head) row
+    // (online softmax): each key and value row is read once, while its block is in cache.
+    std::vector<float> scores, acc, maxes, sums;
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const int64_t* s = sq + 4 * item.seq;
+      const int64_t q_row = s[0], num_new = s[1], ctx = s[3];
+      const int64_t* ctx_slots = slot + s[2];
+      const bool* mask = mat[item.seq] < 0 ? nullptr : mask_data + mat[item.seq];
+      const int64_t nq = item.end - item.first, rows = nq * heads;  // (query, head) pairs
+      scores.assign(rows * kKeyBlock, 0.f);
+      acc.assign(rows * hd, 0.f);
+      maxes.assign(rows, -std::numeric_limits<float>::infinity());
+      sums.assign(rows, 0.f);
+      const float* queries = qd + q_row * heads * hd;  // + (i * heads + h) * hd
+      // Causal: query i attends context positions up to ctx - num_new + i.
+      const int64_t keys_end = ctx - num_new + item.end;
+      for (int64_t j0 = 0; j0 < keys_end; j0 += kKeyBlock) {
+        const int64_t nk = std::min(kKeyBlock, keys_end - j0);
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          const int64_t j = j0 + jj;
+          if (jj + kPrefetch < nk) {
+            for (int64_t off = 0; off < row; off += 16) {  // 64-byte lines
+              __builtin_prefetch(kd + ctx_slots[j + kPrefetch] * row + off);
+              __builtin_prefetch(vd + ctx_slots[j + kPrefetch] * row + off);
+            }
+          }
+          const float* k = kd + ctx_slots[j] * row;
+          for (int64_t i = item.first; i < item.end; ++i) {
+            const bool attends = j <= ctx - num_new + i && (!mask || mask[i * ctx + j]);
+            for (int64_t h = 0; h < heads; ++h) {
+              const int64_t r = (i - item.first) * heads + h;
+              scores[r * kKeyBlock + jj] = attends ? fscale * dot(queries + (i * heads + h) * hd, k + h / group * hd, hd)
+                                                   : -std::numeric_limits<float>::infinity();
+            }
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sc = scores.data() + r * kKeyBlock;
+          float m = maxes[r];
+          for (int64_t jj = 0; jj < nk; ++jj) m = std::max(m, sc[jj]);
+          if (m == -std::numeric_limits<float>::infinity()) {
+            for (int64_t jj = 0; jj < nk; ++jj) sc[jj] = 0.f;
+            continue;  // nothing attended yet
+          }
+          const float rescale = std::exp(maxes[r] - m);  // 0 when maxes[r] is -inf
+          if (rescale != 1.f) {
+            float* a = acc.data() + r * hd;
+            for (int64_t d = 0; d < hd; ++d) a[d] *= rescale;
+          }
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            sc[jj] = expf(sc[jj] - m);  // exp(-inf) = 0 for keys not attended
+            total += sc[jj];
+          }
+          total += sums[r] * rescale;
+          maxes[r] = m;
+          sums[r] = total;
+        }
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          const float* v = vd + ctx_slots[j0 + jj] * row;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float p = scores[r * kKeyBlock + jj];
+            if (p != 0.f) axpy(acc.data() + r * hd, p, v + r % heads / group * hd, hd);
+          }
+        }
+      }
+      for (int64_t i = item.first; i < item.end; ++i) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t r = (i - item.first) * heads + h;
+          float* o = od + ((q_row + i) * heads + h) * hd;
+          const float inv = 1.f / sums[r];  // > 0: every query attends at least itself
+          for (int64_t d = 0; d < hd; ++d) o[d] = acc[r * hd + d] * inv;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(duet_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor keys, Tensor values, Tensor(a!) out, Tensor slots, Tensor seqs, "
+        "Tensor masks, Tensor mask_at, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(duet_cpu, CPU, m) { m.impl("paged_attention", paged_attention); }

@@ -1,0 +1,82 @@
+"""The CPU paged-attention kernel (cpu/paged_attention.cpp) against the torch fallback and
+against dense attention computed independently here: decode and short chunks, grouped-query heads,
+sliding-window masks with sinks, slots scattered over the pool, kernel and SDPA slices interleaved."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.attention_window import AttentionWindow
+from common.paged_attention import KERNEL_MAX_QUERIES, AttentionPlan, SequenceSlice, attend, kernel_enabled
+from cpu import extension
+
+NH, KVH, HD, SLOTS = 6, 2, 16, 512
+CPU = torch.device("cpu")
+
+needs_kernel = pytest.mark.skipif(not kernel_enabled(CPU, torch.float32),
+                                  reason=f"CPU kernel unavailable: {extension.unavailable_reason()}")
+
+
+def _slices(gen: torch.Generator, shapes: list[tuple[int, int]], window: AttentionWindow | None) -> list[SequenceSlice]:
+    """Sequences of (new tokens, context length) on disjoint random slots."""
+    perm = torch.randperm(SLOTS, generator=gen)
+    out, used = [], 0
+    for n, length in shapes:
+        slots = perm[used : used + length]
+        used += length
+        mask = None
+        if window is not None:
+            positions = torch.arange(length)
+            mask = window.mask(positions[length - n :], positions)
+        out.append(SequenceSlice(n, slots, mask))
+    return out
+
+
+def _dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slices: list[SequenceSlice]) -> torch.Tensor:
+    """Each sequence on its own: its K/V copied out, heads repeated, softmax over masked scores."""
+    rows, start = [], 0
+    for s in slices:
+        qs = q[start : start + s.num_new].transpose(0, 1)  # [nh, n, hd]
+        start += s.num_new
+        k = keys[s.context_slots].repeat_interleave(NH // KVH, dim=1).transpose(0, 1)
+        v = values[s.context_slots].repeat_interleave(NH // KVH, dim=1).transpose(0, 1)
+        mask = s.mask
+        if mask is None:
+            q_pos = torch.arange(s.context_len - s.num_new, s.context_len)
+            mask = torch.arange(s.context_len)[None, :] <= q_pos[:, None]
+        scores = (qs @ k.transpose(1, 2)) * HD ** -0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        rows.append((F.softmax(scores, dim=-1) @ v).transpose(0, 1))
+    return torch.cat(rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, AttentionWindow(5, sinks=2)], ids=["causal", "window+sinks"])
+def test_kernel_equals_fallback_and_dense(window: AttentionWindow | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(SLOTS, KVH, HD, generator=gen), torch.randn(SLOTS, KVH, HD, generator=gen)
+    # decodes, a prefill chunk the kernel does not take between them, a whole-prompt chunk
+    shapes = [(1, 37), (KERNEL_MAX_QUERIES + 3, 50), (1, 1), (KERNEL_MAX_QUERIES, 20), (1, 90), (7, 7)]
+    slices = _slices(gen, shapes, window)
+    q = torch.randn(sum(n for n, _ in shapes), NH, HD, generator=gen)
+    with_kernel = AttentionPlan(slices, CPU, use_kernel=True)
+    assert with_kernel.kernel is not None and not with_kernel.kernel.contiguous
+    got = attend(q, keys, values, with_kernel)
+    fallback = attend(q, keys, values, AttentionPlan(slices, CPU, use_kernel=False))
+    torch.testing.assert_close(got, fallback, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _dense(q, keys, values, slices), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_refuses_out_of_range_slots() -> None:
+    q = torch.randn(1, NH, HD)
+    plan = AttentionPlan([SequenceSlice(1, torch.tensor([0, SLOTS]))], CPU, use_kernel=True)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        attend(q, torch.zeros(SLOTS, KVH, HD), torch.zeros(SLOTS, KVH, HD), plan)
+
+
+def test_disabled_kernel_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DUET_DISABLE_CPU_KERNELS: no build, a reason, and the torch path."""
+    monkeypatch.setenv(extension.DISABLE_ENV, "1")
+    assert extension._load() == {"reason": f"{extension.DISABLE_ENV} is set"}

@@ -1,0 +1,85 @@
+"""The per-step prompt budget next to running decodes (common/step_budget.py), and the
+scheduler keeping to it."""
+from __future__ import annotations
+
+import pytest
+
+from common.step_budget import MIN_CHUNK, StepBudget
+
+
+def test_without_a_target_or_decodes_the_whole_budget_goes() -> None:
+    unbounded = StepBudget(None)
+    unbounded.record(decoding=4, prefill=100, elapsed_ms=500.0)
+    assert unbounded.prefill_tokens(decoding=4, budget=508) == 508
+    bounded = StepBudget(100.0)
+    bounded.record(decoding=0, prefill=100, elapsed_ms=500.0)
+    assert bounded.prefill_tokens(decoding=0, budget=512) == 512
+
+
+def test_unmeasured_cost_grants_the_budget_to_measure_it() -> None:
+    assert StepBudget(100.0).prefill_tokens(decoding=3, budget=509) == 509
+
+
+def test_budget_follows_measured_costs() -> None:
+    b = StepBudget(100.0)
+    b.record(decoding=4, prefill=0, elapsed_ms=40.0)  # a decode step: 40 ms
+    b.record(decoding=4, prefill=200, elapsed_ms=140.0)  # + 200 tokens: 0.5 ms each
+    assert b.prefill_tokens(decoding=4, budget=508) == 120  # (100 - 40) / 0.5
+    assert b.prefill_tokens(decoding=4, budget=50) == 50
+    b.record(decoding=4, prefill=0, elapsed_ms=200.0)  # decodes got slow: the prompt part gets as long
+    assert b.prefill_tokens(decoding=4, budget=508) == int(b.decode_ms / 0.5)
+    b.record(decoding=4, prefill=10, elapsed_ms=b.decode_ms + 100.0)  # prompt tokens got slow too
+    assert b.prefill_tokens(decoding=4, budget=508) == MIN_CHUNK
+
+
+def test_costs_are_smoothed() -> None:
+    b = StepBudget(100.0)
+    b.record(decoding=1, prefill=0, elapsed_ms=20.0)
+    b.record(decoding=1, prefill=0, elapsed_ms=40.0)
+    assert 20.0 < b.decode_ms < 40.0
+
+
+def test_rejects_a_non_positive_target() -> None:
+    with pytest.raises(ValueError):
+        StepBudget(0.0)
+
+
+def test_scheduler_chunks_prompts_next_to_decodes(model, tokenizer) -> None:
+    """With a target no step can meet, a prompt arriving while another request decodes is
+    prefilled in chunks that take about as long as the decode part (the step's costs are
+    measured: the recording below replays them), and both requests still get the tokens of
+    running alone."""
+    import random
+
+    from common.engine import Engine
+    from common.sampling import SamplingParams
+    from common.scheduler import Scheduler
+    from tests.reference import engine_greedy
+    from tests.test_scheduler import collect
+
+    engine = Engine(model, num_pages=64, page_size=16)
+    steps: list[list[int]] = []
+    forward = engine.forward
+
+    def recording(work, *args, **kwargs):
+        steps.append([n for _, n in work])
+        return forward(work, *args, **kwargs)
+
+    engine.forward = recording
+    s = Scheduler(engine, tokenizer, max_batch_tokens=512, max_step_ms=0.001)
+    s.start()
+    try:
+        rng = random.Random(0)
+        short, long = rng.choices(range(100, 40000), k=8), rng.choices(range(100, 40000), k=400)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        first = s.submit("short", engine.new_sequence("short", short), params)
+        assert first.next_chunk(timeout=120) is not None  # decoding now
+        second = s.submit("long", engine.new_sequence("long", long), params)
+        got_first, got_second = collect(first)[0], collect(second)[0]
+    finally:
+        s.stop()
+    mixed = [n for step in steps if 1 in step for n in step if n > 1]
+    # Unbounded, the 400 prompt tokens would go in one step (max_batch_tokens 512).
+    assert len(mixed) >= 2 and max(mixed) < 400, steps
+    assert got_first == engine_greedy(model, short, 12)[1:]
+    assert got_second == engine_greedy(model, long, 12)
