@@ -17,6 +17,10 @@ Prompt logprobs (`prompt_logprobs`): such a request computes its whole prompt he
 the prefix cache (cached positions have no logits), and every position of its prompt chunks
 yields logits; they come back in the request's first chunk. `max_tokens` 0 ends the request
 once its prompt is computed, without drawing a token.
+
+Speculative decoding (`--speculative ngram`, common/speculative.py): a decoding sequence may
+append a draft to its pending token when its pages fit without preempting anyone; the step
+computes them all with logits at each, and the verifier emits the agreeing prefix plus one.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from common.engine import Engine, Sequence
 from common.engine_loop import EngineLoop
 from common.page_allocator import OutOfPages
 from common.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
+from common.speculative import SpeculativeConfig, Speculator
 from common.tokenizer import Tokenizer
 from common.tracing import Tracer
 
@@ -102,6 +107,7 @@ class _Request:
     sampler: Sampler
     detok: IncrementalDetokenizer
     num_generated: int = 0
+    draft: list[int] = field(default_factory=list)  # this step's speculative tokens, appended to seq
 
     @property
     def request_id(self) -> str:
@@ -123,13 +129,14 @@ class RequestHandle:
 
 class Scheduler(EngineLoop):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, speculative: SpeculativeConfig | None = None) -> None:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         super().__init__(engine, name="scheduler")
         self.tracer = tracer or Tracer("scheduler")
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
+        self.speculator = Speculator(speculative or SpeculativeConfig())
         self._active: list[_Request] = []  # admission order
         self._aborts: set[str] = set()
 
@@ -196,7 +203,7 @@ class Scheduler(EngineLoop):
         if not work:
             time.sleep(0.001)
             return
-        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt}
+        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.draft}
         try:
             logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)
         except Exception as exc:  # a bug or a bad model state must not kill the daemon
@@ -210,6 +217,9 @@ class Scheduler(EngineLoop):
             for i, (r, n) in enumerate(work):
                 rows = logits[at : at + (n if i in scoring else 1)]
                 at += len(rows)
+                if r.draft:
+                    self._verify(r, rows)
+                    continue
                 self.engine.trim_to_window(r.seq)
                 if r.seq.num_pending == 0 and r in self._active:
                     try:
@@ -242,8 +252,9 @@ class Scheduler(EngineLoop):
             if budget == 0 or r.seq.num_pending != 1:  # preempted by an earlier reservation
                 continue
             if self._reserve(r, 1, work):
-                work.append((r, 1))
-                budget -= 1
+                n = 1 + self._draft(r, budget - 1)
+                work.append((r, n))
+                budget -= n
         for r in prefilling:
             n = min(r.seq.num_pending, budget)
             if n == 0:
@@ -275,6 +286,45 @@ class Scheduler(EngineLoop):
                 if not preempt or not victims:
                     return False
                 self._preempt(victims[-1])
+
+    def _draft(self, r: _Request, budget: int) -> int:
+        """Append a speculative draft of at most `budget` tokens to decoding `r` if its pages fit
+        without preempting anyone; returns its length."""
+        seq, group = r.seq, r.group
+        if group.unforked or group.scoring_prompt:  # the first draw forks samples / scores the prompt
+            return 0
+        limit = min(budget, r.params.max_tokens - r.num_generated - 1,
+                    self.engine.model.config.max_position_embeddings - len(seq.token_ids) - 1)
+        draft = self.speculator.propose(seq.token_ids, r.params, limit)
+        if not draft:
+            return 0
+        try:
+            self.engine.reserve(seq, seq.num_computed + 1 + len(draft))
+        except OutOfPages:
+            return 0
+        seq.token_ids.extend(draft)
+        r.draft = draft
+        return len(draft)
+
+    def _verify(self, r: _Request, rows) -> None:
+        """Emit what `r`'s verified draft yields and give back its rejected positions' pages."""
+        draft, r.draft = r.draft, []
+        if r not in self._active:
+            return
+
+        def emit(draw: Draw) -> bool:
+            self._emit_token(r, draw)
+            return r in self._active
+
+        try:
+            self.speculator.verify(r.seq, r.sampler, rows, draft, emit)
+        except Exception as exc:  # one request's bad sample must not stop the loop
+            log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
+            self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+            return
+        if r in self._active:
+            self.engine.truncate(r.seq)
+            self.engine.trim_to_window(r.seq)
 
     def _preempt(self, r: _Request) -> None:
         log.info("preempting %s: KV pool full", r.request_id)
