@@ -6,10 +6,12 @@ import random
 import pytest
 
 from common.engine import Engine
+from common.guided import GrammarCompiler
 from common.ngram_proposer import propose_ngram
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler
 from common.speculative import SpeculativeConfig, Speculator
+from protos.duet.v1 import duet_pb2 as pb
 from tests.reference import engine_greedy
 from tests.test_scheduler import _assert_no_leak, collect, collect_samples
 
@@ -203,3 +205,18 @@ def test_per_request_draft_length(make_pair, tokenizer):
         NGRAM.check(SamplingParams(num_speculative_tokens=6))
     with pytest.raises(ValueError, match="above this node's maximum of 0"):
         SpeculativeConfig().check(SamplingParams(num_speculative_tokens=1))
+
+
+def test_grammar_masks_apply_per_accepted_position(make_pair, tokenizer, model):
+    """A regex the copied code matches: drafts from the prompt pass the mask and are accepted;
+    output, text and logprobs are the non-speculative ones."""
+    grammar = GrammarCompiler(tokenizer, model.config.vocab_size).compile(
+        pb.GuidedDecoding(regex=r"(def [a-z]+\(x, y\):\n    return x \* [0-9] \+ y\n\n){1,3}"))
+    spec, plain, counts = make_pair()
+    prompt = _copy(tokenizer, 13)
+    params = SamplingParams(max_tokens=60, guided=grammar, logprobs=True)
+    (want, want_text, _), = _run_all(plain, [prompt], params)
+    (got, got_text, _), = _run_all(spec, [prompt], params)
+    assert got == want and got_text == want_text
+    assert counts.accepted > 0
+    _assert_no_leak(spec)
