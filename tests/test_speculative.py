@@ -5,15 +5,20 @@ import random
 
 import pytest
 
+from common.checkpoint import load_checkpoint
 from common.engine import Engine
 from common.guided import GrammarCompiler
+from common.model import LlamaModel
 from common.ngram_proposer import propose_ngram
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler
 from common.speculative import SpeculativeConfig, Speculator
+from common.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
-from tests.reference import engine_greedy
+from tests.reference import engine_greedy, hf_greedy
 from tests.test_scheduler import _assert_no_leak, collect, collect_samples
+from tests.test_sliding_window import PAGE, WINDOW_PAGES, hf, mistral_dir  # noqa: F401 (fixtures)
+from tests.test_sliding_window import _ids as _window_ids
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=5, ngram_min=1, ngram_max=3)
 
@@ -220,3 +225,23 @@ def test_grammar_masks_apply_per_accepted_position(make_pair, tokenizer, model):
     assert got == want and got_text == want_text
     assert counts.accepted > 0
     _assert_no_leak(spec)
+
+
+def test_sliding_window_model_releases_pages_and_matches_transformers(mistral_dir, hf):
+    """Drafts on a sliding-window model in a pool that holds only the window: rejected pages
+    come back, out-of-window pages are released as without speculation, output is exact."""
+    model = LlamaModel(load_checkpoint(mistral_dir))
+    num_pages = WINDOW_PAGES + 3  # the window, a prefill chunk and a draft's pages
+    engine = Engine(model, num_pages, PAGE)
+    scheduler = Scheduler(engine, load_tokenizer(mistral_dir), max_batch_tokens=24, speculative=NGRAM)
+    counts = _Counts(scheduler.speculator)
+    scheduler.start()
+    try:
+        prompt = _window_ids(20, 3) * 5  # recurring n-grams: drafts are proposed
+        (tokens, _, last), = _run_all(scheduler, [prompt], SamplingParams(max_tokens=60, ignore_eos=True))
+    finally:
+        scheduler.stop()
+    assert last.finish_reason == "length" and tokens == hf_greedy(hf, prompt, 60)
+    assert counts.drafted > 0
+    with engine.lock:
+        assert engine.allocator.num_free + engine.prefix_cache.num_cached_pages == num_pages
