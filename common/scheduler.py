@@ -29,6 +29,8 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from common.detokenizer import IncrementalDetokenizer
 from common.engine import Engine, Sequence
 from common.engine_loop import EngineLoop
@@ -306,7 +308,7 @@ class Scheduler(EngineLoop):
         r.draft = draft
         return len(draft)
 
-    def _verify(self, r: _Request, rows) -> None:
+    def _verify(self, r: _Request, rows: torch.Tensor) -> None:
         """Emit what `r`'s verified draft yields and give back its rejected positions' pages."""
         draft, r.draft = r.draft, []
         if r not in self._active:
