@@ -36,7 +36,7 @@ from common.engine import Engine, Sequence
 from common.engine_loop import EngineLoop
 from common.page_allocator import OutOfPages
 from common.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
-from common.speculative import SpeculativeConfig, Speculator
+from common.speculative import DraftState, SpeculativeConfig, Speculator
 from common.tokenizer import Tokenizer
 from common.tracing import Tracer
 
@@ -109,7 +109,7 @@ class _Request:
     sampler: Sampler
     detok: IncrementalDetokenizer
     num_generated: int = 0
-    draft: list[int] = field(default_factory=list)  # this step's speculative tokens, appended to seq
+    spec: DraftState = field(default_factory=DraftState)
 
     @property
     def request_id(self) -> str:
@@ -205,7 +205,7 @@ class Scheduler(EngineLoop):
         if not work:
             time.sleep(0.001)
             return
-        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.draft}
+        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.spec.tokens}
         try:
             logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)
         except Exception as exc:  # a bug or a bad model state must not kill the daemon
@@ -219,7 +219,7 @@ class Scheduler(EngineLoop):
             for i, (r, n) in enumerate(work):
                 rows = logits[at : at + (n if i in scoring else 1)]
                 at += len(rows)
-                if r.draft:
+                if r.spec.tokens:
                     self._verify(r, rows)
                     continue
                 self.engine.trim_to_window(r.seq)
@@ -297,7 +297,7 @@ class Scheduler(EngineLoop):
             return 0
         limit = min(budget, r.params.max_tokens - r.num_generated - 1,
                     self.engine.model.config.max_position_embeddings - len(seq.token_ids) - 1)
-        draft = self.speculator.propose(seq.token_ids, r.params, limit)
+        draft = self.speculator.propose(seq.token_ids, r.params, limit, r.spec)
         if not draft:
             return 0
         try:
@@ -305,12 +305,11 @@ class Scheduler(EngineLoop):
         except OutOfPages:
             return 0
         seq.token_ids.extend(draft)
-        r.draft = draft
+        r.spec.tokens = draft
         return len(draft)
 
     def _verify(self, r: _Request, rows: torch.Tensor) -> None:
         """Emit what `r`'s verified draft yields and give back its rejected positions' pages."""
-        draft, r.draft = r.draft, []
         if r not in self._active:
             return
 
@@ -319,7 +318,7 @@ class Scheduler(EngineLoop):
             return r in self._active
 
         try:
-            self.speculator.verify(r.seq, r.sampler, rows, draft, emit)
+            self.speculator.verify(r.seq, r.sampler, rows, r.spec, emit)
         except Exception as exc:  # one request's bad sample must not stop the loop
             log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
             self._fail(r, "INTERNAL", f"sampling failed: {exc}")

@@ -10,11 +10,16 @@ output is token-identical, and a seeded sample draws the same numbers in the sam
 without speculation, so it yields the same tokens too (up to the float differences of
 computing a position in a chunk rather than alone). The rejected positions' K/V are dropped
 by rolling `num_computed` back and giving back the pages past it (`Engine.truncate`).
+
+A sequence whose draft was wholly rejected skips drafting for a while (1, 2, 4, ... up to
+`MAX_BACKOFF` steps, reset by the next accepted token): on text that quotes nothing, n-gram
+matches are mostly chance, and each rejected draft costs its positions' compute and moves the
+sequence off the batched single-token attention path.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +28,7 @@ from common.ngram_proposer import propose_ngram
 from common.sampling import Draw, Sampler, SamplingParams
 
 METHODS = ("ngram",)
+MAX_BACKOFF = 16  # steps without drafts after repeated wholly rejected drafts
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,22 @@ class SpeculativeConfig:
                              "(--speculative ngram --num-speculative-tokens)")
 
 
+@dataclass
+class DraftState:
+    """One sequence's speculation: this step's draft and its back-off after rejections."""
+
+    tokens: list[int] = field(default_factory=list)  # this step's draft, appended to the sequence
+    backoff: int = 0  # steps to skip after the next wholly rejected draft (doubled each time)
+    skip: int = 0  # steps left without drafting
+
+    def record(self, accepted: int) -> None:
+        if accepted:
+            self.backoff = 0
+        else:
+            self.backoff = min(MAX_BACKOFF, 2 * self.backoff or 1)
+            self.skip = self.backoff
+
+
 # (draft tokens, accepted tokens) of one verified step.
 SpeculationObserver = Callable[[int, int], None]
 
@@ -67,21 +89,25 @@ class Speculator:
         self.config = config
         self.observers: list[SpeculationObserver] = []
 
-    def propose(self, tokens: list[int], params: SamplingParams, limit: int) -> list[int]:
+    def propose(self, tokens: list[int], params: SamplingParams, limit: int, state: DraftState) -> list[int]:
         """A draft of at most `limit` tokens (the caller's bound: tokens left before max_tokens
         and the context end, step budget) continuing `tokens`."""
         asked = params.num_speculative_tokens
         k = min(limit, self.config.max_draft if asked is None else asked)
         if k < 1:
             return []
+        if state.skip:
+            state.skip -= 1
+            return []
         return propose_ngram(tokens, k, self.config.ngram_min, self.config.ngram_max)
 
-    def verify(self, seq: Sequence, sampler: Sampler, rows: torch.Tensor, draft: list[int],
+    def verify(self, seq: Sequence, sampler: Sampler, rows: torch.Tensor, state: DraftState,
                emit: Callable[[Draw], bool]) -> int:
         """After a forward computed `seq`'s pending token and `draft` (`rows`: their `1 + k`
         logits): draw and `emit` the target's tokens in order while they agree with the draft;
         `emit` returns False once the sequence finished (stop, length, EOS). Leaves `seq` with
         only the accepted positions computed; returns how many draft tokens were accepted."""
+        draft, state.tokens = state.tokens, []
         del seq.token_ids[len(seq.token_ids) - len(draft):]
         seq.num_computed = len(seq.token_ids)
         accepted = 0
@@ -92,6 +118,7 @@ class Speculator:
             draw = sampler.draw(row)
             if not emit(draw) or j == len(draft) or draw.token != draft[j]:
                 break
+        state.record(accepted)
         for observe in self.observers:
             observe(len(draft), accepted)
         return accepted

@@ -192,10 +192,11 @@ def test_drafts_that_never_match_change_nothing(model, make_pair, monkeypatch):
     want = engine_greedy(model, prompt, 12, page_size=4)
     # Drafts of a token the greedy continuation never holds: every one is rejected.
     never = next(t for t in range(100, 200) if t not in want)
-    monkeypatch.setattr(spec.speculator, "propose", lambda tokens, params, limit: [never] * min(limit, 5))
+    monkeypatch.setattr("common.speculative.propose_ngram", lambda tokens, k, lo, hi: [never] * k)
     (tokens, _, last), = _run_all(spec, [prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     assert tokens == want and last.usage.completion_tokens == 12
     assert counts.drafted > 0 and counts.accepted == 0
+    assert counts.steps <= 4  # rejected drafts back off: 1, 2 then 4 steps without drafting
     _assert_no_leak(spec)
 
 
