@@ -83,7 +83,8 @@ SpeculationObserver = Callable[[int, int], None]
 
 
 class Speculator:
-    """Proposes drafts and verifies them; counts what it drafted and accepted."""
+    """Proposes drafts and verifies them; tells `observers` (metrics) what each verified draft
+    held and how much of it was accepted."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -103,8 +104,8 @@ class Speculator:
 
     def verify(self, seq: Sequence, sampler: Sampler, rows: torch.Tensor, state: DraftState,
                emit: Callable[[Draw], bool]) -> int:
-        """After a forward computed `seq`'s pending token and `draft` (`rows`: their `1 + k`
-        logits): draw and `emit` the target's tokens in order while they agree with the draft;
+        """After a forward computed `seq`'s pending token and its draft `state.tokens` (`rows`:
+        their `1 + k` logits): draw and `emit` the target's tokens in order while they agree with the draft;
         `emit` returns False once the sequence finished (stop, length, EOS). Leaves `seq` with
         only the accepted positions computed; returns how many draft tokens were accepted."""
         draft, state.tokens = state.tokens, []
