@@ -79,6 +79,14 @@ class Engine:
         seq.pages.extend(new)
         return new
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the pages past those holding `seq`'s computed positions (reserved for
+        speculative draft positions that were rejected). They are private to `seq`: pages a
+        sequence shares (prefix cache, forks) all lie before its computed end."""
+        keep = -(-seq.num_computed // self.page_size)
+        extra, seq.pages = seq.pages[keep:], seq.pages[:keep]
+        self.allocator.decref(p for p in extra if p != RELEASED)
+
     def fork(self, parent: Sequence, seq_id: str) -> Sequence:
         """A sequence that continues `parent`'s computed positions with tokens of its own (one of
         parallel samples): it shares every full page (one more reference each) and gets a private

@@ -4,9 +4,9 @@ left. The engine is llguidance (`scripts/bench_grammar_mask.py` measured it and 
 
 A grammar is compiled once per request (`GrammarCompiler.compile`, at the RPC, so a bad schema is
 an INVALID_ARGUMENT before anything runs); each generating sequence (each of n parallel samples)
-walks it with a `GrammarMatcher` of its own. Masks are per position: a speculative verifier masks
-draft position i after accepting drafts [0, i) and rolls the matcher back over the rejected ones
-(llguidance's `LLMatcher.rollback`), so drafted and sampled tokens obey the same grammar.
+walks it with a `GrammarMatcher` of its own. Masks are per position: the speculative verifier
+(common/speculative.py) draws draft position i through the matcher after accepting drafts [0, i),
+and a rejected draft token never reaches it, so drafted and sampled tokens obey the same grammar.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int,
             top_logprobs=msg.top_logprobs,
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             guided=guided,
+            num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
         )
         params.validate(vocab_size)
     except ValueError as exc:

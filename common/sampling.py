@@ -93,6 +93,7 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: this many most likely tokens too
     prompt_logprobs: int | None = None  # set: the prompt's logprobs, with this many most likely tokens
     guided: Grammar | None = None  # structured output: each sample walks it with its own matcher
+    num_speculative_tokens: int | None = None  # draft length (0 = none); None = the node's --num-speculative-tokens
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError with a message a caller can act on."""
@@ -119,6 +120,8 @@ class SamplingParams:
             raise ValueError("top_logprobs needs logprobs to be set")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0 (0 = no drafts), got {self.num_speculative_tokens}")
         if self.guided is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with guided decoding: EOS ends a completed grammar")
 

@@ -19,6 +19,10 @@ Prompt logprobs (`prompt_logprobs`): such a request computes its whole prompt he
 the prefix cache (cached positions have no logits), and every position of its prompt chunks
 yields logits; they come back in the request's first chunk. `max_tokens` 0 ends the request
 once its prompt is computed, without drawing a token.
+
+Speculative decoding (`--speculative ngram`, common/speculative.py): a decoding sequence may
+append a draft to its pending token when its pages fit without preempting anyone; the step
+computes them all with logits at each, and the verifier emits the agreeing prefix plus one.
 """
 from __future__ import annotations
 
@@ -27,11 +31,14 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from common.detokenizer import IncrementalDetokenizer
 from common.engine import Engine, Sequence
 from common.engine_loop import EngineLoop
 from common.page_allocator import OutOfPages
 from common.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
+from common.speculative import DraftState, SpeculativeConfig, Speculator
 from common.step_budget import StepBudget
 from common.tokenizer import Tokenizer
 from common.tracing import Tracer
@@ -105,6 +112,7 @@ class _Request:
     sampler: Sampler
     detok: IncrementalDetokenizer
     num_generated: int = 0
+    spec: DraftState = field(default_factory=DraftState)
 
     @property
     def request_id(self) -> str:
@@ -126,7 +134,8 @@ class RequestHandle:
 
 class Scheduler(EngineLoop):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
-                 tracer: Tracer | None = None, max_step_ms: float | None = None) -> None:
+                 tracer: Tracer | None = None, max_step_ms: float | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         super().__init__(engine, name="scheduler")
@@ -134,6 +143,7 @@ class Scheduler(EngineLoop):
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
         self.step_budget = StepBudget(max_step_ms)  # bounds the prompt tokens a step carries next to decodes
+        self.speculator = Speculator(speculative or SpeculativeConfig())
         self._active: list[_Request] = []  # admission order
         self._aborts: set[str] = set()
 
@@ -200,7 +210,7 @@ class Scheduler(EngineLoop):
         if not work:
             time.sleep(0.001)
             return
-        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt}
+        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.spec.tokens}
         started = time.perf_counter()
         try:
             logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)
@@ -210,13 +220,18 @@ class Scheduler(EngineLoop):
                 for r, _ in work:
                     self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
             return
-        decoding = sum(1 for _, n in work if n == 1)
-        self.step_budget.record(decoding, sum(n for _, n in work if n > 1), 1e3 * (time.perf_counter() - started))
+        # A decode's speculative draft counts in the decode part of the step, not as prompt tokens.
+        decodes = [n == 1 or bool(r.spec.tokens) for r, n in work]
+        prompt_tokens = sum(n for (_, n), decode in zip(work, decodes) if not decode)
+        self.step_budget.record(sum(decodes), prompt_tokens, 1e3 * (time.perf_counter() - started))
         with self.lock:
             at = 0
             for i, (r, n) in enumerate(work):
                 rows = logits[at : at + (n if i in scoring else 1)]
                 at += len(rows)
+                if r.spec.tokens:
+                    self._verify(r, rows)
+                    continue
                 self.engine.trim_to_window(r.seq)
                 if r.seq.num_pending == 0 and r in self._active:
                     try:
@@ -249,8 +264,9 @@ class Scheduler(EngineLoop):
             if budget == 0 or r.seq.num_pending != 1:  # preempted by an earlier reservation
                 continue
             if self._reserve(r, 1, work):
-                work.append((r, 1))
-                budget -= 1
+                n = 1 + self._draft(r, budget - 1)
+                work.append((r, n))
+                budget -= n
         budget = self.step_budget.prefill_tokens(len(work), budget)
         for r in prefilling:
             n = min(r.seq.num_pending, budget)
@@ -283,6 +299,44 @@ class Scheduler(EngineLoop):
                 if not preempt or not victims:
                     return False
                 self._preempt(victims[-1])
+
+    def _draft(self, r: _Request, budget: int) -> int:
+        """Append a speculative draft of at most `budget` tokens to decoding `r` if its pages fit
+        without preempting anyone; returns its length."""
+        seq, group = r.seq, r.group
+        if group.unforked or group.scoring_prompt:  # the first draw forks samples / scores the prompt
+            return 0
+        limit = min(budget, r.params.max_tokens - r.num_generated - 1,
+                    self.engine.model.config.max_position_embeddings - len(seq.token_ids) - 1)
+        draft = self.speculator.propose(seq.token_ids, r.params, limit, r.spec)
+        if not draft:
+            return 0
+        try:
+            self.engine.reserve(seq, seq.num_computed + 1 + len(draft))
+        except OutOfPages:
+            return 0
+        seq.token_ids.extend(draft)
+        r.spec.tokens = draft
+        return len(draft)
+
+    def _verify(self, r: _Request, rows: torch.Tensor) -> None:
+        """Emit what `r`'s verified draft yields and give back its rejected positions' pages."""
+        if r not in self._active:
+            return
+
+        def emit(draw: Draw) -> bool:
+            self._emit_token(r, draw)
+            return r in self._active
+
+        try:
+            self.speculator.verify(r.seq, r.sampler, rows, r.spec, emit)
+        except Exception as exc:  # one request's bad sample must not stop the loop
+            log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
+            self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+            return
+        if r in self._active:
+            self.engine.truncate(r.seq)
+            self.engine.trim_to_window(r.seq)
 
     def _preempt(self, r: _Request) -> None:
         log.info("preempting %s: KV pool full", r.request_id)

@@ -70,6 +70,13 @@ class ReleaseNotifyingEngine(Engine):
             if to_cache or self.allocator.num_free > free_before:
                 self.room_made.notify_all()
 
+    def truncate(self, seq: Sequence) -> None:
+        with self.lock:
+            free_before = self.allocator.num_free
+            super().truncate(seq)
+            if self.allocator.num_free > free_before:
+                self.room_made.notify_all()
+
 
 @dataclass
 class _Waiter:

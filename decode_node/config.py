@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from common.daemon_config import DaemonConfig, daemon_parser, parse_config
 from common.openai_http import add_openai_args
+from common.speculative import METHODS, SpeculativeConfig
 
 ADMISSION_MODES = ("reject", "queue")
 
@@ -31,6 +32,15 @@ class DecodeNodeConfig(DaemonConfig):
     max_step_ms: float = 100.0
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
     served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
+    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (common/speculative.py)
+    num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
+    ngram_min: int = SpeculativeConfig.ngram_min
+    ngram_max: int = SpeculativeConfig.ngram_max
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig:
+        """Validated in __post_init__ (a bad flag is a usage error)."""
+        return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
 
     @property
     def running_cap(self) -> int:
@@ -62,6 +72,7 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--max-step-ms must be >= 0")
         if self.openai_port is not None and not 0 <= self.openai_port < 65536:
             raise ValueError("--openai-port must be in [0, 65535]")
+        _ = self.speculative_config  # raises ValueError on a bad --speculative flag
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
@@ -107,5 +118,16 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    help="while requests are decoding, prefill only as many prompt tokens per engine step as "
                    "fit in MS milliseconds by the measured step cost (at least 32), so running streams keep "
                    "their inter-token latency; 0 = fill --max-batch-tokens (default %(default)s)")
+    p.add_argument("--speculative", choices=METHODS, default=None,
+                   help="speculative decoding: 'ngram' drafts each decoding sequence's next tokens from the longest "
+                   "earlier match of its own suffix (prompt lookup) and verifies them in the step's forward; "
+                   "output is unchanged (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens, metavar="K",
+                   help="--speculative: draft tokens per step, and the most a request's num_speculative_tokens "
+                   "may ask for (default %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=d.ngram_min, metavar="N",
+                   help="--speculative ngram: shortest suffix looked up (default %(default)s)")
+    p.add_argument("--ngram-max", type=int, default=d.ngram_max, metavar="N",
+                   help="--speculative ngram: longest suffix looked up (default %(default)s)")
     add_openai_args(p)
     return parse_config(p, DecodeNodeConfig, argv)

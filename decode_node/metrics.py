@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from decode_node.reservations import ReservationTable
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -46,4 +47,17 @@ class DecodeMetrics:
             "max_requests, queue_full, too_large (never fits), or (--admission reject) pages, running, tokens",
             ["reason"], registry=r)
         self.transfers = TransferMetrics(r)
+        self.spec_draft_tokens = Counter("duet_spec_draft_tokens", "Speculative draft tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("duet_spec_accepted_tokens", "Speculative draft tokens accepted",
+                                            registry=r)
+        self.spec_acceptance_length = Histogram(
+            "duet_spec_acceptance_length", "Draft tokens accepted per verified draft (each step also emits one "
+            "token of its own)", buckets=_ACCEPTED_BUCKETS, registry=r)
+
+    def observe_speculation(self, drafted: int, accepted: int) -> None:
+        """One verified draft (common/speculative.py)."""
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
+        self.spec_acceptance_length.observe(accepted)
 

@@ -51,11 +51,13 @@ class DecodeNode:
         self.engine = ReleaseNotifyingEngine(model, config.kv_pages, config.page_size)
         self.tracer = Tracer(f"decode {config.advertise_address}", config.trace_requests)
         self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens, tracer=self.tracer,
-                                   max_step_ms=config.max_step_ms or None)
+                                   max_step_ms=config.max_step_ms or None,
+                                   speculative=config.speculative_config)
         self.reservations = ReservationTable(
             self.engine, on_expire=self._lease_expired, quarantine_seconds=config.quarantine_seconds,
             on_quarantine_expiry=lambda n: self.metrics.quarantine_expiries.inc(n))
         self.metrics = DecodeMetrics(self.engine, self.reservations)
+        self.scheduler.speculator.observers.append(self.metrics.observe_speculation)
         self.admission = Admission(
             config, self.engine, running=lambda: self.scheduler.num_active() + len(self.reservations),
             admitted_tokens=lambda: self.scheduler.total_tokens() + self.reservations.reserved_tokens(),
@@ -243,6 +245,7 @@ class DecodeNode:
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
         self._check_request_id(request_id)
+        self._check_speculation(params)
         if params.prompt_logprobs is not None:
             raise InvalidArgument("prompt_logprobs needs the whole prompt computed on the decode node: send it "
                                   "with Generate (StartGeneration continues a prompt prefilled elsewhere)")
@@ -259,6 +262,12 @@ class DecodeNode:
             r.seq.num_computed = max(r.prefix_matched, r.end)
             return self.scheduler.submit(request_id, r.seq, params)
 
+    def _check_speculation(self, params: SamplingParams) -> None:
+        try:
+            self.config.speculative_config.check(params)
+        except ValueError as exc:
+            raise InvalidArgument(f"sampling: {exc}") from None
+
     def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
@@ -268,6 +277,7 @@ class DecodeNode:
         A request for prompt logprobs is computed here from its first token (module docstring
         of common/scheduler.py)."""
         self._check_request_id(request_id)
+        self._check_speculation(params)
         tokens = self._check_prompt(token_ids)
         scoring = params.prompt_logprobs is not None
         with self.engine.lock:

@@ -54,4 +54,5 @@ def test_fields_outside_the_schema_are_refused_unless_served(endpoint):
         map_request(endpoint, {**MINIMAL[endpoint], "guided_json": {}}, "m")
     assert refused.value.param == "guided_json"
     extensions = set(FIELDS[endpoint]) - SCHEMAS[endpoint]
-    assert extensions <= {"top_k", "ignore_eos", "stream", "response_format"}
+    # num_speculative_tokens: duet's own (issue 15), a speculative node's per-request draft length.
+    assert extensions <= {"top_k", "ignore_eos", "stream", "response_format", "num_speculative_tokens"}

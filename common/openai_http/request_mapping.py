@@ -40,6 +40,7 @@ _COMMON_FIELDS: dict[str, Any] = {
     "temperature": HONOURED, "top_p": HONOURED, "seed": HONOURED, "stop": HONOURED, "logprobs": HONOURED,
     "response_format": HONOURED, "user": _ANY_TEXT,
     "top_k": HONOURED, "ignore_eos": HONOURED,  # vLLM extensions that standard benchmarks send
+    "num_speculative_tokens": HONOURED,  # duet: draft tokens per step on a --speculative node
     "logit_bias": (None, {}), "presence_penalty": _ZERO, "frequency_penalty": _ZERO,
 }
 _COMPLETION_ONLY: dict[str, Any] = {"prompt": HONOURED, "echo": HONOURED, "best_of": HONOURED, "suffix": (None, "")}
@@ -128,6 +129,9 @@ def _sampling(body: dict, chat: bool, n: int) -> pb.SamplingParams:
     seed = _get(body, "seed", int)
     if seed is not None:
         params.seed = seed
+    draft = _get(body, "num_speculative_tokens", int, **nonnegative)
+    if draft is not None:
+        params.num_speculative_tokens = draft
     if n != 1:
         params.n = n
     _set_logprobs(params, body, chat)
