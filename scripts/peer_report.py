@@ -8,7 +8,9 @@ from pathlib import Path
 from loadgen.metrics import LatencyStats
 from loadgen.runner import BenchmarkResult
 
-PEER = "vllm"
+PEER, PEER_NGRAM = "vllm", "vllm-ngram"
+# systems run with n-gram speculative decoding -> the same system without it
+SPECULATIVE = {PEER_NGRAM: PEER, "duet-ngram": "duet-colocated"}
 # (record key, column title, higher is better)
 COLUMNS = (
     ("ttft_p50_ms", "TTFT p50", False), ("ttft_p99_ms", "TTFT p99", False),
@@ -17,16 +19,28 @@ COLUMNS = (
 )
 
 
-def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkResult | None) -> dict:
-    """The numbers of one run; `same_text_as_vllm` counts the requests whose greedy answer is the
-    peer's, word for word (None without a peer run)."""
+def is_peer(system: str) -> bool:
+    return system in (PEER, PEER_NGRAM)
+
+
+def peer_of(system: str) -> str:
+    """The vLLM system a system is compared with: vLLM with n-gram speculation for a speculating
+    system, plain vLLM otherwise."""
+    return PEER_NGRAM if system in SPECULATIVE else PEER
+
+
+def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkResult | None,
+           acceptance_rate: float | None = None) -> dict:
+    """The numbers of one run; `same_text_as_vllm` counts the requests whose greedy answer is its
+    peer's (`peer_of`), word for word (None without a peer run); `acceptance_rate` is accepted /
+    drafted speculative tokens (None without speculation)."""
     s = result.summary
 
     def pick(stats: LatencyStats | None, name: str) -> float | None:
         return None if stats is None else getattr(stats, name)
 
     same = None
-    if peer is not None and system != PEER:
+    if peer is not None and not is_peer(system):
         same = sum(a.ok and b.ok and a.text == b.text for a, b in zip(result.requests, peer.requests))
     return {
         "workload": workload, "system": system, "model": result.model, "completed": s.completed, "failed": s.failed,
@@ -35,25 +49,37 @@ def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkR
         "ttft_p50_ms": pick(s.ttft_ms, "median"), "ttft_p99_ms": pick(s.ttft_ms, "p99"),
         "itl_p50_ms": pick(s.itl_ms, "median"), "itl_p99_ms": pick(s.itl_ms, "p99"),
         "tpot_p99_ms": pick(s.tpot_ms, "p99"), "output_tokens_per_s": s.output_throughput,
-        "goodput_req_per_s": s.goodput, "same_text_as_vllm": same,
+        "goodput_req_per_s": s.goodput, "same_text_as_vllm": same, "acceptance_rate": acceptance_rate,
     }
 
 
 def format_table(records: list[dict]) -> str:
-    """Rows grouped by workload; under each duet row, its ratio to vLLM's row of that workload."""
+    """Rows grouped by workload; under each duet row, its ratio to its vLLM row (`peer_of`) of that
+    workload; then what speculation bought each system that speculates."""
     head = f"{'workload':<16}{'system':<22}{'ok/all':>8}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS)
     lines = [head, "-" * len(head)]
     for workload in dict.fromkeys(r["workload"] for r in records):
         rows = [r for r in records if r["workload"] == workload]
-        peer = next((r for r in rows if r["system"] == PEER), None)
+        by_system = {r["system"]: r for r in rows}
         for i, r in enumerate(rows):
             done = f"{r['completed']}/{r['completed'] + r['failed']}"
             lines.append(f"{workload if i == 0 else '':<16}{r['system']:<22}{done:>8}"
                          + "".join(f"{_value(r[key]):>11}" for key, _, _ in COLUMNS))
-            if peer is not None and r is not peer:
-                lines.append(f"{'':<16}{'  duet / vLLM':<22}{'':>8}"
+            peer = by_system.get(peer_of(r["system"]))
+            if peer is not None and not is_peer(r["system"]):
+                title = "  duet / vLLM" if peer["system"] == PEER else f"  duet / {peer['system']}"
+                lines.append(f"{'':<16}{title:<22}{'':>8}"
                              + "".join(f"{_ratio(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
     lines.append("-" * len(head))
+    for r in records:
+        plain = next((p for p in records if p["workload"] == r["workload"] and p["system"] == SPECULATIVE.get(r["system"])),
+                     None)
+        if plain is not None:
+            rate = r.get("acceptance_rate")
+            lines.append(f"speculation, {r['workload']}: {r['system']} / {plain['system']} out tok/s = "
+                         f"{_ratio(r['output_tokens_per_s'], plain['output_tokens_per_s'])}, ITL p50 = "
+                         f"{_ratio(r['itl_p50_ms'], plain['itl_p50_ms'])}, drafted tokens accepted: "
+                         + ("n/a" if rate is None else f"{rate:.0%}"))
     same = [f"{system} {sum(r['same_text_as_vllm'] for r in rows)}/{sum(r['completed'] for r in rows)}"
             for system in dict.fromkeys(r["system"] for r in records)
             if (rows := [r for r in records if r["system"] == system and r.get("same_text_as_vllm") is not None])]

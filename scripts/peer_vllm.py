@@ -95,13 +95,13 @@ def _digest(data: bytes) -> str:
 
 
 @contextmanager
-def vllm_server(model_dir: Path, log_path: Path, threads_bind: str | None = None):
-    """`vllm serve model_dir` (fp32, 2048-token context) on a free loopback port, answering to the
-    directory's name (as duet does); yields its base URL once /v1/models answers. The whole
-    process group is ended on exit."""
+def vllm_server(model_dir: Path, log_path: Path, threads_bind: str | None = None, extra_args: tuple[str, ...] = ()):
+    """`vllm serve model_dir` (fp32, 2048-token context, then `extra_args`) on a free loopback
+    port, answering to the directory's name (as duet does); yields its base URL once /v1/models
+    answers. The whole process group is ended on exit."""
     port = free_port()
     cmd = [str(vllm_executable()), "serve", str(model_dir), "--served-model-name", model_dir.name, "--dtype",
-           "float32", "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port)]
+           "float32", "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), *extra_args]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     if threads_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind

@@ -65,3 +65,20 @@ def test_table_puts_duet_over_vllm_under_each_duet_row():
     table = format_table([rec("w", "vllm", 200.0, 10.0), rec("w", "duet-colocated", 100.0, 30.0)])
     ratios = [line.split() for line in table.splitlines() if line.lstrip().startswith("duet / vLLM")]
     assert [r[3:] for r in ratios] == [["0.50x", "0.50x", "n/a", "1.00x", "1.00x", "3.00x", "n/a"]]
+
+
+def test_speculating_systems_are_compared_with_vllm_ngram_and_with_themselves_without_speculation():
+    def rec(system, tok_s, itl, rate=None):
+        return {"workload": "copy-heavy", "system": system, "completed": 4, "failed": 0, "ttft_p50_ms": 1.0,
+                "ttft_p99_ms": 1.0, "itl_p50_ms": itl, "itl_p99_ms": itl, "tpot_p99_ms": itl,
+                "output_tokens_per_s": tok_s, "goodput_req_per_s": 0.0, "acceptance_rate": rate}
+
+    table = format_table([rec("vllm", 10.0, 40.0), rec("vllm-ngram", 20.0, 20.0, 0.5),
+                          rec("duet-colocated", 12.0, 30.0), rec("duet-ngram", 30.0, 10.0, 0.75)]).splitlines()
+    ratios = [line.split() for line in table if line.lstrip().startswith("duet / ")]
+    assert [(r[2], r[-2]) for r in ratios] == [("vLLM", "1.20x"), ("vllm-ngram", "1.50x")]  # out tok/s
+    speculation = [line for line in table if line.startswith("speculation")]
+    assert speculation == [
+        "speculation, copy-heavy: vllm-ngram / vllm out tok/s = 2.00x, ITL p50 = 0.50x, drafted tokens accepted: 50%",
+        "speculation, copy-heavy: duet-ngram / duet-colocated out tok/s = 2.50x, ITL p50 = 0.33x, "
+        "drafted tokens accepted: 75%"]

@@ -251,3 +251,24 @@ def test_drawn_token_logprobs_follow_the_tempered_distribution(make_scheduler, m
             assert abs(e.token.logprob - float(row[token])) < 1e-4
             assert [t.token_id for t in e.top] == row.topk(2).indices.tolist()
     _assert_no_leak(s)
+
+
+def test_handle_merges_a_samples_waiting_chunks_in_order_and_never_into_an_error():
+    import queue
+
+    outputs = queue.SimpleQueue()
+    handle = RequestHandle("r", outputs)
+    assert handle.next_chunk(timeout=0) is None
+    waiting = [Chunk([1], "a", prompt_logprobs=("p",)), Chunk([2], "b", logprobs=("x",)), Chunk([3], "c", index=1),
+               Chunk([4], "d"), Chunk([5], "e", "stop", logprobs=("y",)), Chunk([6], "f", index=1),
+               Chunk([], "", "error", Usage(1, 6, 0), "INTERNAL", "boom", index=1)]
+    for chunk in waiting:
+        outputs.put(chunk)
+    got = []
+    while (chunk := handle.next_chunk(timeout=0)) is not None:
+        got.append(chunk)
+    assert [(c.index, c.token_ids, c.text, c.finish_reason) for c in got] == [
+        (0, [1, 2], "ab", None), (1, [3], "c", None), (0, [4, 5], "de", "stop"), (1, [6], "f", None),
+        (1, [], "", "error")]
+    assert (got[0].prompt_logprobs, got[0].logprobs, got[2].logprobs) == (("p",), ("x",), ("y",))
+    assert got[-1].final and got[-1].error == "boom"
