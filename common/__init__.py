@@ -1,2 +1,3 @@
-"""Engine pieces shared by the decode and prefill nodes: model, paged KV cache, prefix cache,
-transports and configuration."""
+"""What the decode node, the prefill node and the router share, one package per concept: kv, model,
+engine, transports, serving, peers, openai_http (docs/architecture.md draws the arrows allowed
+between them), plus three modules every layer may import: errors, tracing, daemon_limits."""

@@ -27,18 +27,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.checkpoint import load_checkpoint
-from common.default_model import default_model_path
-from common.engine import Engine
-from common.model import LlamaModel
-from common.sampling import SamplingParams
-from common.scheduler import Scheduler
-from common.speculative import SpeculativeConfig
-from common.tokenizer import Tokenizer, load_tokenizer
+from common.model.checkpoint import load_checkpoint
+from common.model.default_model import default_model_path
+from common.engine.engine import Engine
+from common.model.model import LlamaModel
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.speculative import SpeculativeConfig
+from common.model.tokenizer import Tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE_FILES = ["common/ngram_proposer.py", "common/kv_pool.py", "common/page_allocator.py", "common/fingerprint.py",
-              "common/engine_loop.py", "common/checkpoint.py", "common/model_loading.py", "common/prompts.py"]
+CODE_FILES = ["common/engine/ngram_proposer.py", "common/kv/kv_pool.py", "common/kv/page_allocator.py", "common/serving/fingerprint.py",
+              "common/engine/engine_loop.py", "common/model/checkpoint.py", "common/serving/model_loading.py", "common/serving/prompts.py"]
 TOPICS = ["a lighthouse keeper", "a lost robot", "a village baker", "a mountain storm", "a chess champion",
           "a river journey", "an old library", "a desert caravan"]
 COPY_GOAL, FREE_GOAL = 1.5, 0.95
