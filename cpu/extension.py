@@ -18,10 +18,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
+
+from common.kernel_library import KernelLibrary
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +31,6 @@ LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops" or "reason", once decided
-
-
-def kernels() -> object | None:
-    """`torch.ops.duet_cpu` once built and loaded, or None (see :func:`unavailable_reason`)."""
-    with _lock:
-        if not _state:
-            _state.update(_load())
-        return _state.get("ops")
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`kernels` returns None, or None when the kernels are in use."""
-    kernels()
-    return _state.get("reason")  # type: ignore[return-value]
-
 
 def _cpu_features() -> str:
     try:
@@ -126,3 +109,8 @@ def _load() -> dict[str, object]:
         reason = f"the CPU attention kernel failed to build or run: {type(exc).__name__}: {exc}"
         log.warning("%s; using the torch fallback", reason)
         return {"reason": reason}
+
+
+_library = KernelLibrary(_load)
+kernels = _library.kernels  # `torch.ops.duet_cpu` once built and loaded, or None
+unavailable_reason = _library.unavailable_reason  # why kernels() is None, or None

@@ -1,6 +1,6 @@
 // torch.ops.duet_cpu.paged_attention: attention that reads K/V where they lie in the paged pool.
 //
-// Shapes (checked by common/paged_attention.py before the call, re-checked here):
+// Shapes (checked by common/model/paged_attention.py before the call, re-checked here):
 //   q, out        [T, num_heads, head_dim] float32, contiguous: every sequence's new tokens
 //   keys, values  [num_slots, num_kv_heads, head_dim] float32, contiguous: one layer of the pool
 //   slots         [C] int64: the context slots of every sequence, concatenated

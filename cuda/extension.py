@@ -14,10 +14,11 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
+
+from common.kernel_library import KernelLibrary
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,6 @@ KERNEL_SOURCE = SOURCES[0]
 LIBRARY = "duet_paged_kv"
 DISABLE_ENV = "DUET_DISABLE_CUDA_KERNELS"  # set to 1 to always use the torch fallback
 DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops" or "reason", once decided
-
 
 def cuda_home() -> Path | None:
     """The CUDA toolkit to build with: the first of $CUDA_HOME, $CUDA_PATH, the folder above the
@@ -94,20 +91,6 @@ def _why_not_buildable() -> str | None:
     return None
 
 
-def kernels() -> object | None:
-    """`torch.ops.duet_paged_kv` once built and loaded, or None (see :func:`unavailable_reason`)."""
-    with _lock:
-        if not _state:
-            _state.update(_build())
-        return _state.get("ops")
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`kernels` returns None, or None when the kernels are in use."""
-    kernels()
-    return _state.get("reason")  # type: ignore[return-value]
-
-
 def _smoke_test(ops: object) -> None:
     """One tiny gather on the GPU: a library that loads but cannot run here (a driver older
     than the toolkit, a GPU the build did not target) fails now, not in a transfer."""
@@ -135,3 +118,8 @@ def _build() -> dict[str, object]:
             reason = f"the paged KV kernels failed to build or run: {type(exc).__name__}: {exc}"
             log.warning("%s; using the torch fallback", reason)
     return {"reason": reason}
+
+
+_library = KernelLibrary(_build)
+kernels = _library.kernels  # `torch.ops.duet_paged_kv` once built and loaded, or None
+unavailable_reason = _library.unavailable_reason  # why kernels() is None, or None

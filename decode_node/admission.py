@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
-from common.engine import Engine, Sequence
+from common.engine.engine import Engine, Sequence
 from common.errors import Aborted, Cancelled, DeadlineExceeded, ResourceExhausted
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics

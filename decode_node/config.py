@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.daemon_config import DaemonConfig, daemon_parser, parse_config
+from common.serving.daemon_config import DaemonConfig, daemon_parser, parse_config
 from common.openai_http import add_openai_args
-from common.speculative import METHODS, SpeculativeConfig
+from common.engine.speculative import METHODS, SpeculativeConfig
 
 ADMISSION_MODES = ("reject", "queue")
 
@@ -28,11 +28,11 @@ class DecodeNodeConfig(DaemonConfig):
     min_remote_prefill_tokens: int = 32
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
     # Latency target of one engine step that carries prompt chunks next to decodes; 0 = none
-    # (chunks fill --max-batch-tokens). common/step_budget.py
+    # (chunks fill --max-batch-tokens). common/engine/step_budget.py
     max_step_ms: float = 100.0
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
     served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
-    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (common/speculative.py)
+    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (common/engine/speculative.py)
     num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
     ngram_min: int = SpeculativeConfig.ngram_min
     ngram_max: int = SpeculativeConfig.ngram_max

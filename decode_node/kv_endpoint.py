@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from common.kv_pool import KVPool
+from common.kv.kv_pool import KVPool
 from common.transports import TRANSPORTS
 from common.transports.tcp_transport import Authorizer, TcpKvReceiver
 from protos.duet.v1 import duet_pb2 as pb

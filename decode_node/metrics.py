@@ -5,9 +5,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.engine import Engine
-from common.pool_metrics import read_locked, register_pool_gauges
-from common.transfer_metrics import TransferMetrics
+from common.engine.engine import Engine
+from common.serving.pool_metrics import read_locked, register_pool_gauges
+from common.transports.transfer_metrics import TransferMetrics
 
 if TYPE_CHECKING:
     from decode_node.reservations import ReservationTable
@@ -56,7 +56,7 @@ class DecodeMetrics:
             "token of its own)", buckets=_ACCEPTED_BUCKETS, registry=r)
 
     def observe_speculation(self, drafted: int, accepted: int) -> None:
-        """One verified draft (common/speculative.py)."""
+        """One verified draft (common/engine/speculative.py)."""
         self.spec_draft_tokens.inc(drafted)
         self.spec_accepted_tokens.inc(accepted)
         self.spec_acceptance_length.observe(accepted)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.kv_pool import KVPool
+from common.kv.kv_pool import KVPool
 from common.transports.nixl_transport import NixlTarget
 from protos.duet.v1 import duet_pb2 as pb
 

@@ -11,15 +11,15 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from common.daemon_limits import MAX_REQUEST_ID_LENGTH
-from common.engine import Sequence
-from common.fingerprint import fingerprint_of, mismatch
+from common.engine.engine import Sequence
+from common.serving.fingerprint import fingerprint_of, mismatch
 from common.errors import Aborted, AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from common.kv_metadata import decode_segments, encode_segments
-from common.model import LlamaModel
-from common.router.prefill_pool import PrefillPool
-from common.sampling import SamplingParams
-from common.scheduler import RequestHandle, Scheduler
-from common.tokenizer import Tokenizer
+from common.kv.kv_metadata import decode_segments, encode_segments
+from common.model.model import LlamaModel
+from common.peers.prefill_pool import PrefillPool
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import RequestHandle, Scheduler
+from common.model.tokenizer import Tokenizer
 from common.tracing import Tracer
 from common.transports.tcp_transport import WriteGrant
 from decode_node.admission import Admission, ReleaseNotifyingEngine
@@ -275,7 +275,7 @@ class DecodeNode:
         `cancelled` tells whether the caller gave up (then nothing more is started); with
         --admission queue it waits for room until then or the `deadline` (monotonic).
         A request for prompt logprobs is computed here from its first token (module docstring
-        of common/scheduler.py)."""
+        of common/engine/scheduler.py)."""
         self._check_request_id(request_id)
         self._check_speculation(params)
         tokens = self._check_prompt(token_ids)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.engine import Engine, Sequence
+from common.engine.engine import Engine, Sequence
 from decode_node.write_fences import WriteFences
 
 log = logging.getLogger(__name__)

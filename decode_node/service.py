@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import grpc
 
 from common.errors import RequestError
-from common.guided import GrammarCompiler
-from common.prompts import prompt_token_ids
-from common.rpc_convert import chunk_to_proto, sampling_from_proto
-from common.scheduler import RequestHandle
+from common.engine.guided import GrammarCompiler
+from common.serving.prompts import prompt_token_ids
+from common.serving.rpc_convert import chunk_to_proto, sampling_from_proto
+from common.engine.scheduler import RequestHandle
 from decode_node.node import DecodeNode
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc

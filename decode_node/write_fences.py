@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.page_allocator import PageAllocator
+from common.kv.page_allocator import PageAllocator
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class BenchmarkConfig:
     def tokenizer_path(self) -> Path:
         if self.tokenizer:
             return Path(self.tokenizer)
-        from common.default_model import default_model_path
+        from common.model.default_model import default_model_path
 
         return default_model_path()
 

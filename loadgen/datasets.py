@@ -44,7 +44,7 @@ def as_chat(samples: list[SampleRequest], tokenizer_path: Path) -> list[SampleRe
             out.append(s)
             continue
         if s.token_ids and decode is None:
-            from common.tokenizer import load_tokenizer
+            from common.model.tokenizer import load_tokenizer
 
             decode = load_tokenizer(tokenizer_path).decode
         text = s.prompt or decode(s.token_ids)

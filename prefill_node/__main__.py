@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from common.daemon import GrpcDaemon, run_node
-from common.model_loading import load_model_and_tokenizer
+from common.serving.daemon import GrpcDaemon, run_node
+from common.serving.model_loading import load_model_and_tokenizer
 from prefill_node.config import PrefillNodeConfig, parse_args
 from prefill_node.node import PrefillNode
 from prefill_node.service import PrefillNodeService

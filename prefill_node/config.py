@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.daemon_config import DaemonConfig, daemon_parser, parse_config
+from common.serving.daemon_config import DaemonConfig, daemon_parser, parse_config
 
 
 @dataclass(frozen=True)
 class PrefillNodeConfig(DaemonConfig):
     port: int = 50061
     max_batch_tokens: int = 2048
-    nice: int = 10  # yield the cores to a decode node on the same host (common/placement.py)
+    nice: int = 10  # yield the cores to a decode node on the same host (common/serving/placement.py)
     transfer_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:

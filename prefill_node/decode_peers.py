@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.tls import TlsFiles
+from common.serving.tls import TlsFiles
 from common.errors import FailedPrecondition, InvalidArgument, RequestError, Unavailable
 from common.transports import TransferError
 from prefill_node.kv_push import KvPusher

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import torch
 
-from common.kv_pool import KVPool
+from common.kv.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import PagePlan, Piece, byte_offset, layer_byte_ranges, page_blocks, plan_pages
 from common.transports.nixl_transport import NixlInitiator, WriteHandle

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.engine import Engine, Sequence
-from common.engine_loop import EngineLoop
+from common.engine.engine import Engine, Sequence
+from common.engine.engine_loop import EngineLoop
 from common.errors import Internal, RequestError, ResourceExhausted, Unavailable
-from common.kv_metadata import encode_segments
-from common.page_allocator import OutOfPages
+from common.kv.kv_metadata import encode_segments
+from common.kv.page_allocator import OutOfPages
 from common.tracing import Tracer
 from common.transports.kv_ranges import Piece, plan_pieces
 

@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common.checkpoint import load_checkpoint
-from common.default_model import default_model_path
-from common.engine import Engine
-from common.model import LlamaModel
+from common.model.checkpoint import load_checkpoint
+from common.model.default_model import default_model_path
+from common.engine.engine import Engine
+from common.model.model import LlamaModel
 
 PAGE_SIZE = 16
 DECODE_CONTEXT = 128  # the context of the decode goal

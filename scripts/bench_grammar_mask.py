@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from common.default_model import default_model_path
-from common.tokenizer import load_tokenizer
+from common.model.default_model import default_model_path
+from common.model.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},

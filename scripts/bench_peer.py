@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.default_model import default_model_path
+from common.model.default_model import default_model_path
 from common.openai_http import served_model_name
 from loadgen import BenchmarkConfig, run_benchmark
 from loadgen.runner import BenchmarkResult

@@ -19,8 +19,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from common.default_model import default_model_path
-from common.tokenizer import load_tokenizer
+from common.model.default_model import default_model_path
+from common.model.tokenizer import load_tokenizer
 from loadgen import BenchmarkConfig, format_table, run_benchmark, write_json
 from loadgen.plot import write_plot
 from scripts.local_daemons import decode_node, prefill_node

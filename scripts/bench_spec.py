@@ -25,14 +25,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.checkpoint import load_checkpoint
-from common.default_model import default_model_path
-from common.engine import Engine
-from common.model import LlamaModel
-from common.sampling import SamplingParams
-from common.scheduler import Scheduler
-from common.speculative import SpeculativeConfig
-from common.tokenizer import Tokenizer, load_tokenizer
+from common.engine.engine import Engine
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.speculative import SpeculativeConfig
+from common.model.checkpoint import load_checkpoint
+from common.model.default_model import default_model_path
+from common.model.model import LlamaModel
+from common.model.tokenizer import Tokenizer, load_tokenizer
 from scripts.spec_prompts import copy_messages, free_messages
 
 COPY_GOAL, FREE_GOAL = 1.5, 0.95

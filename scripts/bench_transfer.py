@@ -68,8 +68,8 @@ from pathlib import Path
 
 import torch
 
-from common.kv_metadata import decode_segments, encode_segments
-from common.kv_pool import KVPool
+from common.kv.kv_metadata import decode_segments, encode_segments
+from common.kv.kv_pool import KVPool
 from common.transports.kv_ranges import Piece, plan_pieces
 from common.transports.nixl_transport import NixlInitiator
 from common.transports.tcp_transport import WriteGrant

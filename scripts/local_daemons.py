@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.tls import TlsFiles
+from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,5 +126,5 @@ def prefill_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, c
 
 
 def router(tmp_dir: Path, *args: str):
-    """A healthy router daemon (`python -m common.router`); its stub is a DecodeNodeStub."""
-    return _running("common.router", duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, None)
+    """A healthy router daemon (`python -m router`); its stub is a DecodeNodeStub."""
+    return _running("router", duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, None)

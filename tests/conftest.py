@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoint import load_checkpoint
-from common.default_model import default_model_path
-from common.model import LlamaModel
-from common.tokenizer import load_tokenizer
+from common.model.checkpoint import load_checkpoint
+from common.model.default_model import default_model_path
+from common.model.model import LlamaModel
+from common.model.tokenizer import load_tokenizer
 
 torch.manual_seed(0)
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from common.engine import Engine
-from common.model import LlamaModel
+from common.engine.engine import Engine
+from common.model.model import LlamaModel
 
 
 @torch.inference_mode()

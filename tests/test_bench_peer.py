@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from common.checkpoint import load_checkpoint
-from common.gguf_loader import load_gguf
-from common.tokenizer import load_tokenizer
+from common.model.checkpoint import load_checkpoint
+from common.model.gguf_loader import load_gguf
+from common.model.tokenizer import load_tokenizer
 from scripts.export_hf_model import export_hf_model
 from scripts.peer_report import format_table
 from scripts.peer_vllm import VLLM_VERSION, write_version_stub_wheel

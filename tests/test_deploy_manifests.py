@@ -22,7 +22,7 @@ KUBE = ROOT / "deploy" / "kubernetes"
 BASE = KUBE / "base"
 GPU = KUBE / "overlays" / "gpu"
 SAMPLE_POD_IP = "10.1.2.3"
-DAEMONS = {"decode_node", "prefill_node", "common.router"}
+DAEMONS = {"decode_node", "prefill_node", "router"}
 
 
 def load_all(path: Path) -> list[dict]:
@@ -134,8 +134,8 @@ def parse_daemon_args(container: dict):
         from decode_node.config import parse_args
     elif module == "prefill_node":
         from prefill_node.config import parse_args
-    elif module == "common.router":
-        from common.router.__main__ import parse_args
+    elif module == "router":
+        from router.__main__ import parse_args
     else:
         raise AssertionError(f"unknown daemon module {module}")
     try:
@@ -191,7 +191,7 @@ def test_names_are_unique_per_kind():
 
 
 @pytest.mark.parametrize("name, module", [("duet-decode", "decode_node"), ("duet-prefill", "prefill_node"),
-                                          ("duet-router", "common.router")])
+                                          ("duet-router", "router")])
 def test_deployment_runs_its_daemon_with_flags_it_accepts(name, module):
     d = deployment_named(base_objects(), name)
     c = node_container(d)
@@ -200,7 +200,7 @@ def test_deployment_runs_its_daemon_with_flags_it_accepts(name, module):
     assert config.host == "0.0.0.0"
     assert config.port == port_number(c, "grpc")
     assert config.metrics_port == port_number(c, "metrics")
-    if module != "common.router":
+    if module != "router":
         assert config.advertise_host == SAMPLE_POD_IP  # --advertise-host=$(POD_IP)
         assert config.transport == "nixl"
 

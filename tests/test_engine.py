@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from common.engine import Engine
-from common.page_allocator import OutOfPages
+from common.engine.engine import Engine
+from common.kv.page_allocator import OutOfPages
 from tests.reference import engine_greedy
 from tests.test_model_vs_transformers import full_logits
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from common.engine import Engine
-from common.kv_metadata import expand_slots
+from common.engine.engine import Engine
+from common.kv.kv_metadata import expand_slots
 from decode_node.config import DecodeNodeConfig
 from decode_node.node import DecodeNode
 from decode_node.service import DecodeNodeService

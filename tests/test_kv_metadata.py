@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv_metadata import (
+from common.kv.kv_metadata import (
     MetadataError,
     decode_segments,
     encode_segments,
@@ -13,7 +13,7 @@ from common.kv_metadata import (
     reservation_slots,
     validate_metadata,
 )
-from common.kv_pool import KVPool
+from common.kv.kv_pool import KVPool
 
 
 @st.composite

@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from common.kv_pool import KVPool
+from common.kv.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import Piece
 from prefill_node import nixl_push

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.page_allocator import OutOfPages, PageAllocator
+from common.kv.page_allocator import OutOfPages, PageAllocator
 
 
 def runs(pages: list[int]) -> int:

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.attention_window import AttentionWindow
-from common.paged_attention import KERNEL_MAX_QUERIES, AttentionPlan, SequenceSlice, attend, kernel_enabled
+from common.engine.attention_window import AttentionWindow
+from common.model.paged_attention import KERNEL_MAX_QUERIES, AttentionPlan, SequenceSlice, attend, kernel_enabled
 from cpu import extension
 
 NH, KVH, HD, SLOTS = 6, 2, 16, 512

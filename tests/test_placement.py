@@ -1,4 +1,4 @@
-"""Daemon placement (common/placement.py): --cpus lists, thread pools sized from the affinity,
+"""Daemon placement (common/serving/placement.py): --cpus lists, thread pools sized from the affinity,
 the prefill node's lower priority by default."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.placement import parse_cpus
+from common.serving.placement import parse_cpus
 from decode_node.config import parse_args as decode_args
 from prefill_node.config import parse_args as prefill_args
 
@@ -37,7 +37,7 @@ def test_flags_and_defaults() -> None:
 
 def _placed(*args: str) -> list[str]:
     """apply(...) in a fresh interpreter: its affinity, torch threads and niceness."""
-    code = ("import os, sys, torch; from common.placement import apply; "
+    code = ("import os, sys, torch; from common.serving.placement import apply; "
             f"apply({', '.join(args)}); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.nice(0))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return out.stdout.split("]")

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.page_allocator import OutOfPages, PageAllocator
-from common.prefix_cache import PrefixCache
+from common.kv.page_allocator import OutOfPages, PageAllocator
+from common.kv.prefix_cache import PrefixCache
 
 PS = 4
 

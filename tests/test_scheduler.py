@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from common.engine import Engine
-from common.sampling import SamplingParams
-from common.scheduler import Chunk, RequestHandle, Scheduler, Usage
+from common.engine.engine import Engine
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import Chunk, RequestHandle, Scheduler, Usage
 from tests.reference import engine_greedy
 
 

@@ -5,15 +5,15 @@ import random
 
 import pytest
 
-from common.checkpoint import load_checkpoint
-from common.engine import Engine
-from common.guided import GrammarCompiler
-from common.model import LlamaModel
-from common.ngram_proposer import propose_ngram
-from common.sampling import SamplingParams
-from common.scheduler import Scheduler
-from common.speculative import SpeculativeConfig, Speculator
-from common.tokenizer import load_tokenizer
+from common.model.checkpoint import load_checkpoint
+from common.engine.engine import Engine
+from common.engine.guided import GrammarCompiler
+from common.model.model import LlamaModel
+from common.engine.ngram_proposer import propose_ngram
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.speculative import SpeculativeConfig, Speculator
+from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from tests.reference import engine_greedy, hf_greedy
 from tests.test_scheduler import _assert_no_leak, collect, collect_samples
@@ -192,7 +192,7 @@ def test_drafts_that_never_match_change_nothing(model, make_pair, monkeypatch):
     want = engine_greedy(model, prompt, 12, page_size=4)
     # Drafts of a token the greedy continuation never holds: every one is rejected.
     never = next(t for t in range(100, 200) if t not in want)
-    monkeypatch.setattr("common.speculative.propose_ngram", lambda tokens, k, lo, hi: [never] * k)
+    monkeypatch.setattr("common.engine.speculative.propose_ngram", lambda tokens, k, lo, hi: [never] * k)
     (tokens, _, last), = _run_all(spec, [prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     assert tokens == want and last.usage.completion_tokens == 12
     assert counts.drafted > 0 and counts.accepted == 0

@@ -1,10 +1,10 @@
-"""The per-step prompt budget next to running decodes (common/step_budget.py), and the
+"""The per-step prompt budget next to running decodes (common/engine/step_budget.py), and the
 scheduler keeping to it."""
 from __future__ import annotations
 
 import pytest
 
-from common.step_budget import MIN_CHUNK, StepBudget
+from common.engine.step_budget import MIN_CHUNK, StepBudget
 
 
 def test_without_a_target_or_decodes_the_whole_budget_goes() -> None:
@@ -51,9 +51,9 @@ def test_scheduler_chunks_prompts_next_to_decodes(model, tokenizer) -> None:
     running alone."""
     import random
 
-    from common.engine import Engine
-    from common.sampling import SamplingParams
-    from common.scheduler import Scheduler
+    from common.engine.engine import Engine
+    from common.engine.sampling import SamplingParams
+    from common.engine.scheduler import Scheduler
     from tests.reference import engine_greedy
     from tests.test_scheduler import collect
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.errors import NotFound
-from common.kv_pool import KVPool
+from common.kv.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import Piece
 from common.transports import tcp_transport

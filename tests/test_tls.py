@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.tls import TlsFiles
+from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import decode_node, prefill_node

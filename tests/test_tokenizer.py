@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-from common.default_model import default_model_path
-from common.detokenizer import IncrementalDetokenizer
-from common.tokenizer import Tokenizer, load_tokenizer
+from common.model.default_model import default_model_path
+from common.model.detokenizer import IncrementalDetokenizer
+from common.model.tokenizer import Tokenizer, load_tokenizer
 
 SAMPLES = [
     "Hello, world!",

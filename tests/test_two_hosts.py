@@ -166,7 +166,7 @@ def _start_three(net, transport: str, tmp: Path, members: Path):
     # start-up overlaps the nodes' model loading).
     members.write_text(json.dumps({"decode": [dn.address], "prefill": [pn.address]}))
     router_port, router_metrics_port = ROUTER_PORTS[transport]
-    rt = NetnsDaemon(net.hosts["router"], "common.router", ["--members", str(members), "--poll-seconds", "0.2",
+    rt = NetnsDaemon(net.hosts["router"], "router", ["--members", str(members), "--poll-seconds", "0.2",
                                                             "--min-remote-prefill-tokens", "8"],
                      tmp / "router.log", port=router_port, metrics_port=router_metrics_port, advertise=False)
     start_daemons([pn, dn, rt], [duet_pb2_grpc.PrefillNodeStub, duet_pb2_grpc.DecodeNodeStub,

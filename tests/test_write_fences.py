@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from common.page_allocator import PageAllocator
+from common.kv.page_allocator import PageAllocator
 from decode_node.write_fences import WriteFences
 
 

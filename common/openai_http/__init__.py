@@ -3,6 +3,7 @@ event streaming) and `/v1/models`, served by the decode node or the router (`--o
 
 The front translates each request into a duet.v1.GenerateRequest and calls the daemon's own
 gRPC `Generate` over a loopback channel, so both daemons share this one implementation.
+May import common.serving, common.model and common.engine (sampling limits); never a node package.
 """
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.default_model import default_model_path
+from common.model.default_model import default_model_path
 from common.openai_http.server import OpenAIFront
-from common.tls import TlsFiles
+from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2_grpc
 
 if TYPE_CHECKING:
-    from common.daemon import GrpcDaemon
+    from common.serving.daemon import GrpcDaemon
 
 __all__ = ["OpenAIFront", "add_openai_args", "attach_openai_front", "served_model_name"]
 

@@ -1,4 +1,5 @@
-"""KV data plane: how the prefill node's K/V bytes reach the decode node's reserved slots."""
+"""KV data plane: how the prefill node's K/V bytes reach the decode node's reserved slots, and the
+transfer metrics. May import common.kv, common.errors, cuda/ and gRPC; never the model or engine."""
 from __future__ import annotations
 
 import grpc

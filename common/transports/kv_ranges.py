@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.kv_metadata import encode_segments
-from common.kv_pool import KVPool
+from common.kv.kv_metadata import encode_segments
+from common.kv.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

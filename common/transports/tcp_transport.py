@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from common.errors import RequestError
-from common.kv_pool import KVPool
+from common.kv.kv_pool import KVPool
 from common.transports import TransferError
 from common.transports.kv_ranges import Piece
 from cuda.paged_kv import gather_from_slots, scatter_to_slots

@@ -1,0 +1,189 @@
+"""Runs model forwards for sequences whose K/V live in the paged pool.
+
+The engine owns the pool, its page allocator and the prefix cache; a `Sequence` owns one
+reference on each page of its page table. Pages are only allocated here, on demand, as a
+sequence's computed length grows.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.attention_window import RELEASED, AttentionWindow, slots_at
+from common.kv.kv_pool import KVPool
+from common.model.model import ForwardBatch, LlamaModel, SequenceSlice
+from common.kv.page_allocator import PageAllocator
+from common.kv.prefix_cache import PrefixCache
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    token_ids: list[int]
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading positions whose K/V are in the pool
+    num_cached: int = 0  # of those, how many came from the prefix cache
+
+    @property
+    def held_pages(self) -> list[int]:
+        """The pages this sequence references: its table less the entries a sliding window
+        released (common/engine/attention_window.py)."""
+        return [p for p in self.pages if p != RELEASED]
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, num_pages: int, page_size: int) -> None:
+        self.model = model
+        self.pool: KVPool = model.new_pool(num_pages, page_size)
+        self.allocator = PageAllocator(num_pages)
+        self.window = AttentionWindow.of(model.config)  # None: full attention, no page is released
+        self.prefix_cache = PrefixCache(self.allocator, page_size)
+        # Guards page tables, the allocator and the prefix cache for every thread that
+        # allocates (the scheduler loop, the decode node's PrepareReceive handlers).
+        self.lock = threading.RLock()
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages to add so `seq` can hold `num_tokens` positions."""
+        return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
+
+    def new_sequence(self, seq_id: str, token_ids: list[int], use_prefix_cache: bool = True) -> Sequence:
+        """A sequence starting from the longest cached prefix; at least the last token is left
+        to compute so its logits exist."""
+        seq = Sequence(seq_id, list(token_ids))
+        if use_prefix_cache:
+            self.attach_cached_prefix(seq)
+        return seq
+
+    def attach_cached_prefix(self, seq: Sequence) -> None:
+        """Give a sequence that holds no pages the longest cached prefix of its tokens."""
+        assert not seq.pages, "the sequence already holds pages"
+        seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1])
+        seq.num_cached = max(seq.num_cached, seq.num_computed)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Grow the page table to hold `num_tokens` positions, evicting cold cached prefixes
+        if needed; raises OutOfPages (leaving the sequence unchanged) when the pool is full."""
+        last = seq.pages[-1] if seq.pages and seq.pages[-1] != RELEASED else None
+        new = self.prefix_cache.allocate_contiguous(self.pages_needed(seq, num_tokens), after=last)
+        seq.pages.extend(new)
+        return new
+
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the pages past those holding `seq`'s computed positions (reserved for
+        speculative draft positions that were rejected). They are private to `seq`: pages a
+        sequence shares (prefix cache, forks) all lie before its computed end."""
+        keep = -(-seq.num_computed // self.page_size)
+        extra, seq.pages = seq.pages[keep:], seq.pages[:keep]
+        self.allocator.decref(p for p in extra if p != RELEASED)
+
+    def fork(self, parent: Sequence, seq_id: str) -> Sequence:
+        """A sequence that continues `parent`'s computed positions with tokens of its own (one of
+        parallel samples): it shares every full page (one more reference each) and gets a private
+        copy of the last partial page, so neither sequence's appends touch the other's KV. Raises
+        OutOfPages, changing nothing, when no page can be had for the copy."""
+        computed = parent.num_computed
+        full, partial = divmod(computed, self.page_size)
+        copy = self.prefix_cache.allocate(1) if partial else []
+        shared = parent.pages[:full]
+        self.allocator.incref(p for p in shared if p != RELEASED)
+        if copy:
+            self._copy_slots(parent.pages[full], copy[0], partial)
+        return Sequence(seq_id, parent.token_ids[:computed], pages=shared + copy, num_computed=computed,
+                        num_cached=parent.num_cached)
+
+    def _copy_slots(self, src_page: int, dst_page: int, n: int) -> None:
+        """Copy the first `n` slots of a page, K and V of every layer, into another page."""
+        src, dst = src_page * self.page_size, dst_page * self.page_size
+        self.pool.data[:, :, dst : dst + n] = self.pool.data[:, :, src : src + n]
+
+    def forward(
+        self,
+        work: list[tuple[Sequence, int]],
+        on_layer_done: Callable[[int], None] | None = None,
+        every_position: Container[int] = (),
+    ) -> torch.Tensor:
+        """Compute the next `n` pending positions of each sequence; returns logits at each one's
+        last computed position (`[len(work), vocab]`), or at all `n` of them for the indices of
+        `work` in `every_position` (prompt logprobs). Pages must already be reserved."""
+        ids, positions, slices, rows = [], [], [], []
+        total = 0
+        for i, (seq, n) in enumerate(work):
+            start, end = seq.num_computed, seq.num_computed + n
+            if n <= 0 or end > len(seq.token_ids):
+                raise ValueError(f"{seq.seq_id}: cannot compute {n} positions from {start} of {len(seq.token_ids)}")
+            ids.extend(seq.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            slices.append(self._slice(seq, start, end))
+            total += n
+            rows.extend(range(total - n, total) if i in every_position else [total - 1])
+        batch = ForwardBatch(
+            token_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.cat(positions),
+            slices=slices,
+            logit_rows=torch.tensor(rows, dtype=torch.long),
+        )
+        logits = self.model.forward(batch, self.pool, on_layer_done)
+        for seq, n in work:
+            seq.num_computed += n
+        return logits
+
+    def _slice(self, seq: Sequence, start: int, end: int) -> SequenceSlice:
+        """Positions `[start, end)` as queries; with a sliding window the context is only the
+        keys they attend, so released pages are never read."""
+        if self.window is None:
+            return SequenceSlice(end - start, self.pool.slots_for(seq.pages, 0, end))
+        keys = self.window.context_positions(start, end)
+        return SequenceSlice(end - start, slots_at(seq.pages, self.page_size, keys),
+                             self.window.mask(torch.arange(start, end), keys))
+
+    def release_before(self, seq: Sequence, position: int) -> None:
+        """Give back the pages of `seq` whose positions all lie before `position` and hold no
+        attention sink, and extend its table with released entries up to `position`'s page (a
+        receiver that gets only `[position, end)`). Windowed models only."""
+        assert self.window is not None, "only a sliding-window model may drop attended pages"
+        done = self.window.releasable(seq.pages, self.page_size, position)
+        self.allocator.decref(seq.pages[i] for i in done)
+        for i in done:
+            seq.pages[i] = RELEASED
+        seq.pages.extend([RELEASED] * (position // self.page_size - len(seq.pages)))
+
+    def receive_begin(self, seq: Sequence, end: int) -> int:
+        """For a receiver: the first position a writer must send (it sends `[begin, end)`) so
+        that `seq`, holding its cached prefix, can compute on from `end`. With a sliding window
+        the cached pages no query from `end` on attends are given back, and the table skips to
+        `begin`'s page, so reserving `end` positions takes only the window's pages."""
+        if self.window is None:
+            return seq.num_computed
+        begin = self.window.transfer_begin(seq.num_computed, end)
+        self.release_before(seq, min(begin, self.window.first_needed(max(seq.num_computed, end))))
+        return begin
+
+    def trim_to_window(self, seq: Sequence, keep_from: int | None = None) -> None:
+        """After a forward: give back the pages no later query of `seq` attends (none without a
+        sliding window), keeping every position from `keep_from` on (a transfer still reads it)."""
+        if self.window is None or not seq.pages:
+            return
+        before = self.window.first_needed(seq.num_computed)
+        self.release_before(seq, before if keep_from is None else min(before, keep_from))
+
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Drop the sequence's page references, first recording its computed full pages in the
+        prefix cache so later requests can reuse them. Only the leading run of held pages can
+        be recorded: a cached page stands for every token before it."""
+        held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
+        if cache and seq.num_computed:
+            self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held])
+        self.allocator.decref(seq.held_pages)
+        seq.pages = []
+        seq.num_computed = 0

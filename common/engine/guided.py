@@ -1,0 +1,119 @@
+"""Guided decoding (structured outputs): a grammar masks the tokens the sampler may draw, so the
+output stays a prefix of the grammar's language and, once the grammar is complete, only EOS is
+left. The engine is llguidance (`scripts/bench_grammar_mask.py` measured it and xgrammar here).
+
+A grammar is compiled once per request (`GrammarCompiler.compile`, at the RPC, so a bad schema is
+an INVALID_ARGUMENT before anything runs); each generating sequence (each of n parallel samples)
+walks it with a `GrammarMatcher` of its own. Masks are per position: the speculative verifier
+(common/engine/speculative.py) draws draft position i through the matcher after accepting drafts [0, i),
+and a rejected draft token never reaches it, so drafted and sampled tokens obey the same grammar.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import llguidance
+import llguidance.torch as llguidance_torch
+import numpy as np
+import torch
+
+from common.model.tokenizer import Tokenizer
+from protos.duet.v1 import duet_pb2 as pb
+
+MAX_GRAMMAR_CHARS = 100_000
+# JSON without optional whitespace: a small model never wanders off into endless blanks.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A validated grammar, in llguidance's serialized form, for one tokenizer."""
+
+    source: str
+    tokenizer: llguidance.LLTokenizer
+    kind: str  # the GuidedDecoding kind it came from, for messages
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.source)
+        self._bits = llguidance_torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """`[vocab_size]` bool: the tokens that may come next. Raises RuntimeError when the
+        grammar has failed (nothing may come next)."""
+        llguidance_torch.fill_next_token_bitmask(self._matcher, self._bits)
+        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
+        allowed = torch.zeros(vocab_size, dtype=torch.bool)
+        n = min(vocab_size, bits.size)
+        allowed[:n] = torch.from_numpy(bits[:n].astype(bool))
+        if not bool(allowed.any()):
+            raise RuntimeError(f"the grammar allows no next token: {self._matcher.get_error() or 'dead end'}")
+        return allowed
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+
+
+class GrammarCompiler:
+    """Compiles GuidedDecoding messages for one tokenizer (built into llguidance's form once,
+    on first use: about 0.2 s for a 49k vocabulary)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+
+    @cached_property
+    def _lltokenizer(self) -> llguidance.LLTokenizer:
+        return llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab_size,
+                                      eos_token=self._tokenizer.eos_token_id)
+
+    def compile(self, spec: pb.GuidedDecoding) -> Grammar | None:
+        """The grammar `spec` asks for (None when it asks for none); ValueError says what is wrong."""
+        kind = spec.WhichOneof("kind")
+        if kind is None:
+            return None
+        if kind == "json_schema":
+            source = llguidance.LLMatcher.grammar_from_json_schema(_json_schema(spec.json_schema),
+                                                                   defaults=_JSON_OPTIONS)
+        elif kind == "json_object":
+            if not spec.json_object:
+                raise ValueError("guided.json_object must be true when set")
+            source = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        elif kind == "regex":
+            _check_size(spec.regex, "guided.regex")
+            source = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        else:
+            choices = list(spec.choice.choices)
+            if not choices or any(c == "" for c in choices):
+                raise ValueError("guided.choice needs at least one non-empty string")
+            _check_size(json.dumps(choices), "guided.choice")
+            source = llguidance.grammar_from("choice", json.dumps(choices))
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self._lltokenizer)
+        if is_error:
+            raise ValueError(f"guided.{kind} is not a usable grammar: {messages[0]}")
+        return Grammar(source, self._lltokenizer, kind)
+
+
+def _check_size(text: str, name: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{name} is longer than {MAX_GRAMMAR_CHARS} characters")
+
+
+def _json_schema(text: str) -> dict:
+    _check_size(text, "guided.json_schema")
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"guided.json_schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("guided.json_schema must be a JSON object (a JSON Schema)")
+    return schema

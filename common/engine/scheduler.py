@@ -1,0 +1,441 @@
+"""Continuous-batching scheduler: the single-node engine loop the decode node runs.
+
+Every step runs one forward that holds one token for each decoding request and, within the
+token budget, prefill chunks of requests still prefilling (oldest first), so a long prompt
+never stalls the running decodes for more than one chunk. With `max_step_ms` set, the chunks a
+step carries next to decodes are sized from measured step costs to keep the step within it
+(common/engine/step_budget.py). Requests join and leave between
+steps. When the pool runs out of pages mid-decode, the newest request is preempted: its
+pages go to the prefix cache and it is recomputed later (usually from those cached pages).
+
+Parallel sampling (`n > 1`): the request prefills once; when its prompt is computed, samples
+1..n-1 fork its KV (`Engine.fork`: full pages shared, the last partial page copied) and each of
+the n samples draws its first token from the same logits, then decodes as a sequence of its own
+(preempted, recomputed and finished on its own). A sample's tokens are the prompt plus its own
+output, so it can always be recomputed. The n samples share one output stream (chunks carry the
+sample's index); it ends after the last sample finishes.
+
+Prompt logprobs (`prompt_logprobs`): such a request computes its whole prompt here, never from
+the prefix cache (cached positions have no logits), and every position of its prompt chunks
+yields logits; they come back in the request's first chunk. `max_tokens` 0 ends the request
+once its prompt is computed, without drawing a token.
+
+Speculative decoding (`--speculative ngram`, common/engine/speculative.py): a decoding sequence may
+append a draft to its pending token when its pages fit without preempting anyone; the step
+computes them all with logits at each, and the verifier emits the agreeing prefix plus one.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.model.detokenizer import IncrementalDetokenizer
+from common.engine.engine import Engine, Sequence
+from common.engine.engine_loop import EngineLoop
+from common.kv.page_allocator import OutOfPages
+from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
+from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
+from common.engine.step_budget import StepBudget
+from common.model.tokenizer import Tokenizer
+from common.tracing import Tracer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece of parallel sample `index` (0 unless n > 1). The last chunk of each
+    sample has `finish_reason` set ("stop", "length", "abort" or "error"); the request's final
+    chunk, sent when its last sample finishes, also carries `usage` for all of them."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    # With finish_reason "error": a gRPC status name ("RESOURCE_EXHAUSTED", "INTERNAL") and why.
+    error_code: str | None = None
+    error: str | None = None
+    index: int = 0
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token, when the request asked for them
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # in the request's first chunk, when asked
+
+    @property
+    def final(self) -> bool:
+        """Whether this is the stream's last chunk."""
+        return self.usage is not None
+
+    def followed_by(self, later: Chunk) -> Chunk:
+        """This unfinished chunk and the same sample's next chunk as one."""
+        return Chunk(self.token_ids + later.token_ids, self.text + later.text, later.finish_reason, later.usage,
+                     later.error_code, later.error, self.index, self.logprobs + later.logprobs,
+                     self.prompt_logprobs + later.prompt_logprobs)
+
+
+@dataclass(eq=False)
+class _Group:
+    """What the n samples of one request share."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_len: int
+    cached_tokens: int
+    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    unforked: bool = False  # samples 1..n-1 are still to fork from sample 0
+    running: int = 1  # samples not finished
+    completion_tokens: int = 0  # of the finished samples
+    prompt_logprobs: PromptLogprobs | None = None  # gathered while the prompt is computed, then sent once
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether the prompt is still being computed with logits at every position."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.done
+
+    def take_prompt_logprobs(self) -> tuple[PositionLogprobs, ...]:
+        """The prompt's logprobs for the first chunk sent (nothing for later ones)."""
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return tuple(scored.entries) if scored is not None and scored.done else ()
+
+
+@dataclass(eq=False)  # compared by identity: two samples may hold equal fields
+class _Request:
+    """One generating sequence: a request, or one of its parallel samples."""
+
+    group: _Group
+    index: int
+    seq: Sequence
+    params: SamplingParams
+    sampler: Sampler
+    detok: IncrementalDetokenizer
+    num_generated: int = 0
+    spec: DraftState = field(default_factory=DraftState)
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
+
+
+class RequestHandle:
+    def __init__(self, request_id: str, outputs: queue.SimpleQueue) -> None:
+        self.request_id = request_id
+        self._outputs = outputs
+        self._held: Chunk | None = None  # taken from the queue but not mergeable into the last one
+
+    def next_chunk(self, timeout: float | None = None) -> Chunk | None:
+        """The next chunk, or None if none arrived within `timeout` seconds. The same sample's
+        chunks already waiting come merged into one: a speculative step emits several tokens at
+        once, and a reader that fell behind catches up in one message instead of one per token.
+        An error chunk is never merged, so the tokens before it are delivered first."""
+        chunk, self._held = self._held, None
+        if chunk is None:
+            try:
+                chunk = self._outputs.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        while chunk.finish_reason is None:
+            try:
+                later = self._outputs.get_nowait()
+            except queue.Empty:
+                break
+            if later.index != chunk.index or later.finish_reason == "error":
+                self._held = later
+                break
+            chunk = chunk.followed_by(later)
+        return chunk
+
+
+class Scheduler(EngineLoop):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
+                 tracer: Tracer | None = None, max_step_ms: float | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        if max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+        super().__init__(engine, name="scheduler")
+        self.tracer = tracer or Tracer("scheduler")
+        self.tokenizer = tokenizer
+        self.max_batch_tokens = max_batch_tokens
+        self.step_budget = StepBudget(max_step_ms)  # bounds the prompt tokens a step carries next to decodes
+        self.speculator = Speculator(speculative or SpeculativeConfig())
+        self._active: list[_Request] = []  # admission order
+        self._aborts: set[str] = set()
+
+    # ---- public API (any thread) ----
+
+    def _on_stop(self) -> None:
+        """Abort everything still running."""
+        for r in list(self._active):
+            self._finish(r, [], "", "abort")
+
+    def submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
+        """Queue `seq` (its first `num_computed` positions already in the pool) for generation."""
+        group = _Group(request_id, params, len(seq.token_ids), seq.num_cached, unforked=params.n > 1)
+        if params.prompt_logprobs is not None:
+            assert seq.num_computed == 0, "prompt logprobs need the whole prompt computed here"
+            group.prompt_logprobs = PromptLogprobs(list(seq.token_ids), params.prompt_logprobs)
+        r = self._sample(group, 0, seq)
+        with self._wakeup:
+            if self._stopped:
+                raise RuntimeError("the scheduler is shutting down")
+            self._active.append(r)
+            self.notify()
+        self.tracer.event(request_id, "generation_start", computed_tokens=seq.num_computed)
+        return RequestHandle(request_id, group.outputs)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False if it is not running here."""
+        with self._wakeup:
+            if not any(r.request_id == request_id for r in self._active):
+                return False
+            self._aborts.add(request_id)
+            self.notify()
+            return True
+
+    def is_active(self, request_id: str) -> bool:
+        with self.lock:
+            return any(r.request_id == request_id for r in self._active)
+
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens of admitted requests not yet computed."""
+        with self.lock:
+            return sum(r.seq.num_pending for r in self._active if r.seq.num_pending > 1)
+
+    def num_active(self) -> int:
+        """Requests running here (the samples of one count once)."""
+        with self.lock:
+            return len({id(r.group) for r in self._active})
+
+    def total_tokens(self) -> int:
+        """Prompt plus generated tokens of every admitted request (the decode node's
+        --max-total-tokens load)."""
+        with self.lock:
+            return sum(len(r.seq.token_ids) for r in self._active)
+
+    # ---- the loop ----
+
+    def _has_work(self) -> bool:
+        return bool(self._active)
+
+    def _step(self) -> None:
+        with self.lock:
+            self._apply_aborts()
+            work = self._plan_step()
+        if not work:
+            time.sleep(0.001)
+            return
+        scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.spec.tokens}
+        started = time.perf_counter()
+        try:
+            logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)
+        except Exception as exc:  # a bug or a bad model state must not kill the daemon
+            log.exception("forward failed")
+            with self.lock:
+                for r, _ in work:
+                    self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
+            return
+        # A decode's speculative draft counts in the decode part of the step, not as prompt tokens.
+        decodes = [n == 1 or bool(r.spec.tokens) for r, n in work]
+        prompt_tokens = sum(n for (_, n), decode in zip(work, decodes) if not decode)
+        self.step_budget.record(sum(decodes), prompt_tokens, 1e3 * (time.perf_counter() - started))
+        with self.lock:
+            at = 0
+            for i, (r, n) in enumerate(work):
+                rows = logits[at : at + (n if i in scoring else 1)]
+                at += len(rows)
+                if r.spec.tokens:
+                    self._verify(r, rows)
+                    continue
+                self.engine.trim_to_window(r.seq)
+                if r.seq.num_pending == 0 and r in self._active:
+                    try:
+                        if i in scoring:
+                            r.group.prompt_logprobs.add(rows, r.seq.num_computed - n)
+                        if r.params.max_tokens == 0:
+                            r.group.unforked = False
+                            self._finish(r, [], "", "length")
+                            continue
+                        for sample in [r, *self._fork_samples(r)]:
+                            self._emit_token(sample, sample.sampler.draw(rows[-1]))
+                    except Exception as exc:  # one request's bad sample must not stop the loop
+                        log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
+                        self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+                elif i in scoring:
+                    r.group.prompt_logprobs.add(rows, r.seq.num_computed - n)
+
+    def _apply_aborts(self) -> None:
+        for r in [r for r in self._active if r.request_id in self._aborts]:
+            self._finish(r, [], "", "abort")
+        self._aborts.clear()
+
+    def _plan_step(self) -> list[tuple[_Request, int]]:
+        """Pick this step's work and reserve its pages (called with the lock held)."""
+        work: list[tuple[_Request, int]] = []
+        budget = self.max_batch_tokens
+        decoding = [r for r in self._active if r.seq.num_pending == 1]
+        prefilling = [r for r in self._active if r.seq.num_pending > 1]
+        for r in decoding:
+            if budget == 0 or r.seq.num_pending != 1:  # preempted by an earlier reservation
+                continue
+            if self._reserve(r, 1, work):
+                n = 1 + self._draft(r, budget - 1)
+                work.append((r, n))
+                budget -= n
+        budget = self.step_budget.prefill_tokens(len(work), budget)
+        for r in prefilling:
+            n = min(r.seq.num_pending, budget)
+            if n == 0:
+                break
+            if r not in self._active:
+                continue
+            if not r.seq.pages and not r.group.scoring_prompt:  # preempted earlier
+                self.engine.attach_cached_prefix(r.seq)
+                n = min(r.seq.num_pending, budget)
+            if self._reserve(r, n, work, preempt=False):
+                work.append((r, n))
+                budget -= n
+        if not work and self._active:
+            # Nothing fits and nothing runs that could free pages: refuse the oldest request.
+            self._fail(self._active[0], "RESOURCE_EXHAUSTED",
+                       "the KV pool cannot hold this request; send a shorter prompt or fewer max_tokens")
+        return work
+
+    def _reserve(self, r: _Request, n: int, planned: list[tuple[_Request, int]], preempt: bool = True) -> bool:
+        """Reserve pages for `n` more positions of `r`, preempting the newest requests not
+        `planned` for this step if allowed."""
+        while True:
+            try:
+                self.engine.reserve(r.seq, r.seq.num_computed + n)
+                return True
+            except OutOfPages:
+                busy = {id(p) for p, _ in planned}
+                victims = [v for v in self._active if v is not r and v.seq.pages and id(v) not in busy]
+                if not preempt or not victims:
+                    return False
+                self._preempt(victims[-1])
+
+    def _draft(self, r: _Request, budget: int) -> int:
+        """Append a speculative draft of at most `budget` tokens to decoding `r` if its pages fit
+        without preempting anyone; returns its length."""
+        seq, group = r.seq, r.group
+        if group.unforked or group.scoring_prompt:  # the first draw forks samples / scores the prompt
+            return 0
+        limit = min(budget, r.params.max_tokens - r.num_generated - 1,
+                    self.engine.model.config.max_position_embeddings - len(seq.token_ids) - 1)
+        draft = self.speculator.propose(seq.token_ids, r.params, limit, r.spec)
+        if not draft:
+            return 0
+        try:
+            self.engine.reserve(seq, seq.num_computed + 1 + len(draft))
+        except OutOfPages:
+            return 0
+        seq.token_ids.extend(draft)
+        r.spec.tokens = draft
+        return len(draft)
+
+    def _verify(self, r: _Request, rows: torch.Tensor) -> None:
+        """Emit what `r`'s verified draft yields and give back its rejected positions' pages."""
+        if r not in self._active:
+            return
+
+        def emit(draw: Draw) -> bool:
+            self._emit_token(r, draw)
+            return r in self._active
+
+        try:
+            self.speculator.verify(r.seq, r.sampler, rows, r.spec, emit)
+        except Exception as exc:  # one request's bad sample must not stop the loop
+            log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
+            self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+            return
+        if r in self._active:
+            self.engine.truncate(r.seq)
+            self.engine.trim_to_window(r.seq)
+
+    def _preempt(self, r: _Request) -> None:
+        log.info("preempting %s: KV pool full", r.request_id)
+        # Its pages stay in the prefix cache; it re-attaches them when it is scheduled again.
+        self.engine.release(r.seq)
+        self.tracer.event(r.request_id, "preempted")
+        self._active.remove(r)
+        self._active.append(r)
+
+    def _sample(self, group: _Group, index: int, seq: Sequence) -> _Request:
+        params = group.params.for_sample(index)
+        return _Request(group, index, seq, params, Sampler(params), IncrementalDetokenizer(self.tokenizer, params.stop))
+
+    def _fork_samples(self, r: _Request) -> list[_Request]:
+        """Samples 1..n-1 of `r`'s request, once its prompt is computed (none otherwise), placed
+        after it in admission order. A sample that gets no page for its copy of the prompt's
+        partial last page starts without KV and is recomputed, as a preempted one is."""
+        group = r.group
+        if not group.unforked:
+            return []
+        group.unforked = False
+        samples = []
+        for index in range(1, group.params.n):
+            seq_id = f"{group.request_id}#{index}"
+            try:
+                seq = self.engine.fork(r.seq, seq_id)
+            except OutOfPages:
+                seq = Sequence(seq_id, list(r.seq.token_ids))
+            samples.append(self._sample(group, index, seq))
+        at = self._active.index(r) + 1
+        self._active[at:at] = samples
+        group.running += len(samples)
+        return samples
+
+    def _emit_token(self, r: _Request, draw: Draw) -> None:
+        token = draw.token
+        logprobs = () if draw.logprobs is None else (draw.logprobs,)
+        r.seq.token_ids.append(token)
+        r.num_generated += 1
+        if r.num_generated == 1 and r.index == 0:
+            self.tracer.event(r.request_id, "first_token")
+        p = r.params
+        eos = not p.ignore_eos and token == self.tokenizer.eos_token_id
+        text = "" if eos else r.detok.push(token)
+        reason = None
+        if eos or token in p.stop_token_ids or r.detok.finished_by_stop is not None:
+            reason = "stop"
+        elif r.num_generated >= p.max_tokens or len(r.seq.token_ids) >= self.engine.model.config.max_position_embeddings:
+            reason = "length"
+        if reason is None:
+            r.group.outputs.put(Chunk([token], text, index=r.index, logprobs=logprobs,
+                                      prompt_logprobs=r.group.take_prompt_logprobs()))
+        else:
+            self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs)
+
+    def _finish(self, r: _Request, tokens: list[int], text: str, reason: str,
+                error_code: str | None = None, error: str | None = None,
+                logprobs: tuple[PositionLogprobs, ...] = ()) -> None:
+        """End one sample and free its pages (exactly once: it leaves `_active` here). The
+        request's last sample to end sends the final chunk, with everyone's usage."""
+        if r not in self._active:
+            return  # already ended: a failure ends every sample of its request
+        self._active.remove(r)
+        self.engine.release(r.seq, cache=reason != "error")
+        group = r.group
+        group.running -= 1
+        group.completion_tokens += r.num_generated
+        usage = None
+        if group.running == 0:
+            usage = Usage(group.prompt_len, group.completion_tokens, group.cached_tokens)
+            self.tracer.event(r.request_id, "finished", finish_reason=reason,
+                              completion_tokens=group.completion_tokens)
+        group.outputs.put(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
+                                group.take_prompt_logprobs()))
+
+    def _fail(self, r: _Request, code: str, message: str) -> None:
+        """Fail `r`'s request: every sample of it ends with the error."""
+        for sample in [s for s in self._active if s.group is r.group]:
+            self._finish(sample, [], "", "error", code, message)
+

@@ -1,0 +1,40 @@
+"""What a loader produces: the config plus fp32 weights named as in Hugging Face Llama."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.model.model_config import ModelConfig
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    model_hash: str  # sha256 of the weight files, part of the transport compatibility fingerprint
+    source: Path
+
+
+def hash_files(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """A `.gguf` file or a Hugging Face directory (config.json + *.safetensors)."""
+    from common.model.gguf_loader import load_gguf
+    from common.model.hf_loader import load_hf_dir
+
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.suffix == ".gguf":
+        return load_gguf(path)
+    raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model directory")

@@ -1,0 +1,182 @@
+"""Attention over the paged KV pool for one forward's mix of decoding and prefilling sequences.
+
+Two implementations compute the same thing:
+- the CPU kernel (cpu/paged_attention.cpp, `torch.ops.duet_cpu.paged_attention`), which reads
+  each key and value where it lies in the pool: no per-step copy of every sequence's context;
+- the torch fallback, which gathers each context with `index_select` and runs
+  `scaled_dot_product_attention` (decoding sequences together, padded to the longest context,
+  query heads grouped by KV head; each prefilling chunk on its own).
+
+`AttentionPlan` is built once per forward (its index tensors serve every layer) and decides which
+sequences each implementation takes: the kernel takes every sequence of a float32 CPU forward
+when it built (cpu/extension.py) except prefill chunks of more than `KERNEL_MAX_QUERIES` tokens,
+where SDPA's blocked matrix products win and one gather per layer costs little against the
+chunk's compute. A CUDA paged-attention kernel would join here the same way: a plan field for
+the sequences it takes and a branch in `attend`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cpu import extension as cpu_extension
+
+KERNEL_MAX_QUERIES = 2  # longer prefill chunks go to SDPA: 1.7x faster at 4 queries, 4x at 64 (docs/bench/README.md)
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's share of a forward: `num_new` query tokens at the end of a context of
+    `context_len` tokens whose K/V live at `context_slots` (new tokens included)."""
+
+    num_new: int
+    context_slots: torch.Tensor  # [context_len] long
+    # [num_new, context_len] bool: which context keys each new token attends (sliding windows,
+    # common/engine/attention_window.py); None = causal attention over the whole context.
+    mask: torch.Tensor | None = None
+
+    @property
+    def context_len(self) -> int:
+        return self.context_slots.numel()
+
+
+def kernel_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether forwards on `device` in `dtype` can use the CPU kernel (building it at first call)."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_extension.kernels() is not None
+
+
+class _KernelArgs:
+    """The kernel's index tensors for the sequences it takes (see cpu/paged_attention.cpp)."""
+
+    def __init__(self, taken: list[tuple[int, SequenceSlice]]) -> None:
+        self.rows = torch.cat([torch.arange(o, o + s.num_new) for o, s in taken])
+        self.contiguous = bool(self.rows[-1] - self.rows[0] + 1 == self.rows.numel())
+        seqs, masks, mask_at, ctx, q, mask_len = [], [], [], 0, 0, 0
+        for _, s in taken:
+            seqs.append((q, s.num_new, ctx, s.context_len))
+            q += s.num_new
+            ctx += s.context_len
+            if s.mask is None:
+                mask_at.append(-1)
+            else:
+                mask_at.append(mask_len)
+                masks.append(s.mask.reshape(-1))
+                mask_len += s.mask.numel()
+        self.slots = torch.cat([s.context_slots for _, s in taken])
+        self.seqs = torch.tensor(seqs, dtype=torch.long)
+        self.masks = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+        self.mask_at = torch.tensor(mask_at, dtype=torch.long)
+
+
+class AttentionPlan:
+    """Index tensors shared by every layer of one forward. `offsets[i]` is the first row of
+    slice i's new tokens in the forward's `[T, ...]` activations."""
+
+    def __init__(self, slices: Sequence[SequenceSlice], device: torch.device, use_kernel: bool) -> None:
+        offsets, start = [], 0
+        for s in slices:
+            offsets.append(start)
+            start += s.num_new
+        pairs = list(zip(offsets, slices))
+        taken = [(o, s) for o, s in pairs if use_kernel and s.num_new <= KERNEL_MAX_QUERIES]
+        self.kernel = _KernelArgs(taken) if taken else None
+        rest = [(o, s) for o, s in pairs if not (use_kernel and s.num_new <= KERNEL_MAX_QUERIES)]
+        decode = [(o, s) for o, s in rest if s.num_new == 1]
+        self.prefill = [(o, s.num_new, s.context_slots.to(device), _causal_mask(s, device))
+                        for o, s in rest if s.num_new > 1]
+        self.decode_rows = torch.tensor([o for o, _ in decode], dtype=torch.long, device=device)
+        if decode:
+            longest = max(s.context_len for _, s in decode)
+            slots = torch.zeros(len(decode), longest, dtype=torch.long)
+            mask = torch.zeros(len(decode), longest, dtype=torch.bool)
+            for i, (_, s) in enumerate(decode):
+                slots[i, : s.context_len] = s.context_slots
+                mask[i, : s.context_len] = True if s.mask is None else s.mask[0]
+            self.decode_slots = slots.to(device)
+            self.decode_mask = mask[:, None, None, :].to(device)
+
+
+def _causal_mask(s: SequenceSlice, device: torch.device) -> torch.Tensor | None:
+    """The slice's own mask if it has one; else None when the chunk is the whole context
+    (plain causal attention)."""
+    if s.mask is not None:
+        return s.mask.to(device)
+    if s.num_new == s.context_len:
+        return None
+    q_pos = torch.arange(s.context_len - s.num_new, s.context_len, device=device)
+    return torch.arange(s.context_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """`[T, nh, hd]` attention outputs of queries `q` `[T, nh, hd]` over one layer's pool
+    `keys`/`values` `[num_slots, kvh, hd]`."""
+    out = torch.empty_like(q)
+    if plan.kernel is not None:
+        _attend_kernel(q, keys, values, plan.kernel, out)
+    if plan.decode_rows.numel():
+        _attend_decode(q, keys, values, plan, out)
+    for start, n, slots, mask in plan.prefill:
+        _attend_chunk(q, keys, values, start, n, slots, mask, out)
+    return out
+
+
+def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, args: _KernelArgs,
+                   out: torch.Tensor) -> None:
+    ops = cpu_extension.kernels()
+    scale = q.shape[-1] ** -0.5
+    if args.contiguous:  # the common case: the kernel writes its rows of `out` in place
+        first, n = int(args.rows[0]), args.rows.numel()
+        ops.paged_attention(q[first : first + n], keys, values, out[first : first + n], args.slots, args.seqs,
+                            args.masks, args.mask_at, scale)
+        return
+    qk = q.index_select(0, args.rows)
+    ok = torch.empty_like(qk)
+    ops.paged_attention(qk, keys, values, ok, args.slots, args.seqs, args.masks, args.mask_at, scale)
+    out[args.rows] = ok
+
+
+def _attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+                   out: torch.Tensor) -> None:
+    nh, kvh, hd = q.shape[1], keys.shape[1], q.shape[2]
+    b = plan.decode_rows.numel()
+    # Query heads grouped by the KV head they share: [B, kvh, group, hd].
+    qd = q[plan.decode_rows].view(b, kvh, nh // kvh, hd)
+    # index_select on the flat slot list is several times faster than advanced indexing.
+    flat = plan.decode_slots.view(-1)
+    kd = keys.index_select(0, flat).view(b, -1, kvh, hd).transpose(1, 2)
+    vd = values.index_select(0, flat).view(b, -1, kvh, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
+    out[plan.decode_rows] = o.reshape(b, nh, hd)
+
+
+def _attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, n: int,
+                  slots: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor) -> None:
+    nh, kvh = q.shape[1], keys.shape[1]
+    qp = q[start : start + n].transpose(0, 1)[None]
+    kp = keys.index_select(0, slots).transpose(0, 1)[None]
+    vp = values.index_select(0, slots).transpose(0, 1)[None]
+    if mask is not None and qp.is_cuda and nh != kvh:
+        o = grouped_query_attention(qp, kp, vp, mask)
+    else:
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    out[start : start + n] = o[0].transpose(0, 1)
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention of `q` `[1, nh, n, hd]` over `k`, `v` `[1, kvh, L, hd]` with a `[n, L]`
+    mask, as `enable_gqa=True` computes it, but with the query heads that share a KV head stacked
+    along the sequence: `[1, kvh, group * n, hd]` against plain multi-head K/V.
+
+    On CUDA, flash attention takes no mask and the memory-efficient kernel no `enable_gqa`, so a
+    masked chunk (one after cached context, or under a sliding window) with GQA would fall to
+    the math kernel, which materialises every head's fp32 scores. Stacked, the memory-efficient
+    kernel applies, and K/V are not copied. On the CPU `enable_gqa` is faster, so it stays there.
+    """
+    _, nh, n, hd = q.shape
+    kvh = k.shape[1]
+    stacked = q.reshape(1, kvh, nh // kvh * n, hd)  # head h = kv head h // group, as in transformers
+    o = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask.repeat(nh // kvh, 1))
+    return o.view(1, nh, n, hd)

@@ -1,0 +1,25 @@
+"""The compatibility fingerprint: KV written by one node is only meaningful in a pool of a
+node that agrees on every field."""
+from __future__ import annotations
+
+from common.kv.kv_pool import LAYOUT_VERSION, KVPool
+from common.model.model import LlamaModel
+from protos.duet.v1 import duet_pb2 as pb
+
+_FIELDS = ("model_hash", "dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "layout_version")
+
+
+def fingerprint_of(model: LlamaModel, pool: KVPool) -> pb.CompatibilityFingerprint:
+    return pb.CompatibilityFingerprint(
+        model_hash=model.model_hash, dtype=str(pool.dtype).removeprefix("torch."),
+        num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+        page_size=pool.page_size, layout_version=LAYOUT_VERSION,
+    )
+
+
+def mismatch(ours: pb.CompatibilityFingerprint, theirs: pb.CompatibilityFingerprint,
+             our_role: str, their_role: str) -> str | None:
+    """A message naming every field that differs, or None when compatible."""
+    diffs = [f"{f}: {our_role} has {getattr(ours, f)!r}, {their_role} has {getattr(theirs, f)!r}"
+             for f in _FIELDS if getattr(ours, f) != getattr(theirs, f)]
+    return "incompatible KV layout (" + "; ".join(diffs) + ")" if diffs else None

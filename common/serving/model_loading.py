@@ -1,0 +1,28 @@
+"""Load a model and its tokenizer for a daemon: the given path or the embedded default."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from common.engine.attention_window import with_attention_sinks
+from common.model.checkpoint import load_checkpoint
+from common.model.default_model import default_model_path
+from common.model.model import LlamaModel
+from common.model.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float32,
+                             device: str = "cpu", attention_sinks: int = 0) -> tuple[LlamaModel, Tokenizer]:
+    path = path or default_model_path()
+    started = time.monotonic()
+    model = LlamaModel(with_attention_sinks(load_checkpoint(path), attention_sinks), dtype=dtype, device=device)
+    tokenizer = load_tokenizer(path)
+    log.info("model loaded", extra={"fields": {
+        "model": str(path), "layers": model.config.num_layers, "dtype": str(dtype).removeprefix("torch."),
+        "device": str(model.device), "seconds": round(time.monotonic() - started, 2)}})
+    return model, tokenizer

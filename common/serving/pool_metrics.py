@@ -1,0 +1,21 @@
+"""KV pool gauges every node exports."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from common.engine.engine import Engine
+
+
+def read_locked(engine: Engine, read: Callable[[], float]) -> float:
+    with engine.lock:
+        return read()
+
+
+def register_pool_gauges(registry: CollectorRegistry, engine: Engine) -> None:
+    Gauge("duet_kv_pages_total", "Pages in the KV pool", registry=registry).set(engine.allocator.num_pages)
+    Gauge("duet_kv_pages_free", "Pages on the free list", registry=registry).set_function(
+        lambda: engine.allocator.num_free)
+    Gauge("duet_kv_pages_cached", "Pages held by the prefix cache", registry=registry).set_function(
+        lambda: read_locked(engine, lambda: engine.prefix_cache.num_cached_pages))

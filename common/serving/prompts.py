@@ -1,0 +1,27 @@
+"""The prompt of a GenerateRequest as token ids: given directly, as text, or as chat messages."""
+from __future__ import annotations
+
+from common.errors import InvalidArgument
+from common.model.tokenizer import Tokenizer
+from protos.duet.v1 import duet_pb2 as pb
+
+MAX_PROMPT_TEXT_CHARS = 1_000_000
+
+
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    given = [name for name in ("token_ids", "prompt", "messages") if getattr(request, name)]
+    if len(given) != 1:
+        raise InvalidArgument(f"set exactly one of token_ids, prompt, messages (got {given or 'none'})")
+    if request.token_ids:
+        return list(request.token_ids)
+    if request.prompt:
+        if len(request.prompt) > MAX_PROMPT_TEXT_CHARS:
+            raise InvalidArgument(f"prompt is longer than {MAX_PROMPT_TEXT_CHARS} characters")
+        return tokenizer.encode(request.prompt)
+    messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    if sum(len(m["content"]) for m in messages) > MAX_PROMPT_TEXT_CHARS:
+        raise InvalidArgument(f"messages are longer than {MAX_PROMPT_TEXT_CHARS} characters")
+    try:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+    except Exception as exc:  # the template itself may raise on malformed conversations
+        raise InvalidArgument(f"messages could not be rendered with the chat template: {exc}") from None

@@ -1,0 +1,97 @@
+"""The router daemon: `python -m router --decode HOST:PORT ... --prefill HOST:PORT ...`.
+
+Serves duet.v1.DecodeNode/Generate and runs the hand-off over its pools. Membership can change
+while it runs: with `--members FILE` (JSON `{"decode": [...], "prefill": [...]}`) the file is
+re-read whenever it changes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from pathlib import Path
+
+from common.serving.daemon import GrpcDaemon, setup_logging
+from common.serving.daemon_config import add_tls_args
+from common.model.default_model import default_model_path
+from common.openai_http import add_openai_args, attach_openai_front
+from router.hand_off import Router
+from common.peers.membership import Membership
+from common.peers.prefill_pool import PrefillPool
+from router.service import RouterService
+from common.serving.tls import TlsFiles
+from common.model.tokenizer import load_tokenizer
+from protos.duet.v1 import duet_pb2_grpc
+
+log = logging.getLogger("router")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m router",
+                                description="duet router: serves DecodeNode/Generate over N prefill x M decode nodes")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50071)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode node (repeatable)")
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill node (repeatable)")
+    p.add_argument("--members", type=Path, help="JSON file of members, re-read when it changes")
+    p.add_argument("--model", type=Path, default=None, help="model whose tokenizer renders text prompts "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--min-remote-prefill-tokens", type=int, default=32)
+    p.add_argument("--poll-seconds", type=float, default=1.0, help="health/load polling period")
+    add_tls_args(p)
+    add_openai_args(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    args.tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    try:
+        args.tls.validate()
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def watch_members(path: Path, decode: Membership, prefill: PrefillPool, stop: threading.Event, period: float) -> None:
+    seen = None
+    while not stop.wait(period):
+        try:
+            mtime = path.stat().st_mtime
+            if mtime != seen:
+                members = json.loads(path.read_text())
+                decode.set(list(members.get("decode", [])))
+                prefill.set(list(members.get("prefill", [])))
+                seen = mtime
+                log.info("membership loaded", extra={"fields": members})
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read members file", extra={"fields": {"path": str(path), "error": str(exc)}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    daemon = GrpcDaemon(args.host, args.port, args.tls)
+    decode = Membership(duet_pb2_grpc.DecodeNodeStub, args.decode, args.poll_seconds, tls=args.tls)
+    prefill = PrefillPool(args.prefill, args.poll_seconds, tls=args.tls)
+    router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill, args.min_remote_prefill_tokens)
+    duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
+    if args.openai_port is not None:
+        attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model)
+    stop = threading.Event()
+    if args.members is not None:
+        threading.Thread(target=watch_members, args=(args.members, decode, prefill, stop, args.poll_seconds),
+                         daemon=True).start()
+
+    def shutdown() -> None:
+        stop.set()
+        decode.close()
+        prefill.close()
+
+    daemon.serve(["duet.v1.DecodeNode"], metrics_registry=router.registry, metrics_port=args.metrics_port,
+                 on_shutdown=shutdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The router daemon's gRPC face: duet.v1.DecodeNode's Generate (the other RPCs belong to
+decode nodes and answer UNIMPLEMENTED here)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from common.errors import RequestError
+from router.hand_off import Router
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+
+
+class RouterService(duet_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def Generate(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerationChunk]:
+        try:
+            for chunk in self.router.generate(request):
+                if not context.is_active():
+                    return
+                yield chunk
+        except RequestError as exc:
+            context.abort(exc.code, str(exc))
+        except grpc.RpcError as exc:  # a decode or prefill node's status, passed through
+            context.abort(exc.code(), exc.details())
