@@ -4,15 +4,16 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from common.model.checkpoint import load_checkpoint
-from common.engine.engine import Engine
+from common.engine.engine import Engine, Sequence
 from common.engine.guided import GrammarCompiler
 from common.model.model import LlamaModel
 from common.engine.ngram_proposer import propose_ngram
-from common.engine.sampling import SamplingParams
+from common.engine.sampling import Draw, SamplingParams
 from common.engine.scheduler import Scheduler
-from common.engine.speculative import SpeculativeConfig, Speculator
+from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from tests.reference import engine_greedy, hf_greedy
@@ -128,6 +129,29 @@ def test_logprobs_per_accepted_position(make_pair, tokenizer):
         assert g.token.token_id == w.token.token_id
         assert [t.token_id for t in g.top] == [t.token_id for t in w.top]
         assert g.token.logprob == pytest.approx(w.token.logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("finish_after, accepted, kept", [(None, 2, 2), (2, 2, 1), (1, 1, 0)])
+def test_verify_counts_every_emitted_draft_token(finish_after, accepted, kept):
+    """Draft [5, 6, 7] after pending token 4; the target draws 5, 6, 9. A request that ends on
+    an agreeing token (max_tokens, a stop) still accepted it."""
+    class Target:  # draws each row's argmax
+        def draw(self, row):
+            return Draw(int(row.argmax()))
+
+    seq = Sequence("s", [1, 2, 3, 4, 5, 6, 7], num_computed=0)
+    state = DraftState(tokens=[5, 6, 7])
+    rows = torch.nn.functional.one_hot(torch.tensor([5, 6, 9, 8]), 10).float()
+    emitted = []
+
+    def emit(draw: Draw) -> bool:
+        emitted.append(draw.token)
+        return finish_after is None or len(emitted) < finish_after
+
+    counts = _Counts(speculator := Speculator(NGRAM))
+    assert speculator.verify(seq, Target(), rows, state, emit) == accepted
+    assert emitted == [5, 6, 9][: finish_after or 3] and (counts.drafted, counts.accepted) == (3, accepted)
+    assert seq.token_ids == [1, 2, 3, 4] and seq.num_computed == 4 + kept  # the draft positions whose K/V stay
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5])

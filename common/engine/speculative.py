@@ -115,9 +115,10 @@ class Speculator:
         for j, row in enumerate(rows):
             if j:  # draft[j - 1] was drawn and emitted: its K/V, computed this step, is valid
                 seq.num_computed += 1
-                accepted += 1
             draw = sampler.draw(row)
-            if not emit(draw) or j == len(draft) or draw.token != draft[j]:
+            agreed = j < len(draft) and draw.token == draft[j]
+            accepted += agreed  # counted even when this token ends the request
+            if not emit(draw) or not agreed:
                 break
         state.record(accepted)
         for observe in self.observers:
