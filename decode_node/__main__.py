@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from common.openai_http import attach_openai_front
 from common.serving.daemon import GrpcDaemon, run_node
 from common.serving.model_loading import load_model_and_tokenizer
-from common.openai_http import attach_openai_front
 from decode_node.config import DecodeNodeConfig, parse_args
 from decode_node.node import DecodeNode
 from decode_node.service import DecodeNodeService

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.serving.daemon_config import DaemonConfig, daemon_parser, parse_config
-from common.openai_http import add_openai_args
 from common.engine.speculative import METHODS, SpeculativeConfig
+from common.openai_http import add_openai_args
+from common.serving.daemon_config import DaemonConfig, daemon_parser, parse_config
 
 ADMISSION_MODES = ("reject", "queue")
 

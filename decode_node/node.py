@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from common.daemon_limits import MAX_REQUEST_ID_LENGTH
 from common.engine.engine import Sequence
-from common.serving.fingerprint import fingerprint_of, mismatch
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import RequestHandle, Scheduler
 from common.errors import Aborted, AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from common.kv.kv_metadata import decode_segments, encode_segments
 from common.model.model import LlamaModel
-from common.peers.prefill_pool import PrefillPool
-from common.engine.sampling import SamplingParams
-from common.engine.scheduler import RequestHandle, Scheduler
 from common.model.tokenizer import Tokenizer
+from common.peers.prefill_pool import PrefillPool
+from common.serving.fingerprint import fingerprint_of, mismatch
 from common.tracing import Tracer
 from common.transports.tcp_transport import WriteGrant
 from decode_node.admission import Admission, ReleaseNotifyingEngine

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 
 import grpc
 
-from common.errors import RequestError
 from common.engine.guided import GrammarCompiler
+from common.engine.scheduler import RequestHandle
+from common.errors import RequestError
 from common.serving.prompts import prompt_token_ids
 from common.serving.rpc_convert import chunk_to_proto, sampling_from_proto
-from common.engine.scheduler import RequestHandle
 from decode_node.node import DecodeNode
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc

@@ -6,8 +6,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from loadgen.request_result import RequestResult
 from loadgen.metrics import LatencyStats, Summary
+from loadgen.request_result import RequestResult
 from loadgen.runner import BenchmarkResult
 
 LABEL_WIDTH = 40

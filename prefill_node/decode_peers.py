@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.serving.tls import TlsFiles
 from common.errors import FailedPrecondition, InvalidArgument, RequestError, Unavailable
+from common.serving.tls import TlsFiles
 from common.transports import TransferError
 from prefill_node.kv_push import KvPusher
 from protos.duet.v1 import duet_pb2 as pb

@@ -10,9 +10,9 @@ import grpc
 from common.daemon_limits import MAX_REQUEST_ID_LENGTH
 from common.engine.engine import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
-from common.serving.fingerprint import fingerprint_of
 from common.kv.kv_metadata import MetadataError, expand_slots, validate_metadata
 from common.model.model import LlamaModel
+from common.serving.fingerprint import fingerprint_of
 from common.tracing import Tracer
 from common.transports.tcp_transport import TransferError
 from prefill_node.config import PrefillNodeConfig

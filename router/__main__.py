@@ -13,17 +13,17 @@ import sys
 import threading
 from pathlib import Path
 
-from common.serving.daemon import GrpcDaemon, setup_logging
-from common.serving.daemon_config import add_tls_args
 from common.model.default_model import default_model_path
+from common.model.tokenizer import load_tokenizer
 from common.openai_http import add_openai_args, attach_openai_front
-from router.hand_off import Router
 from common.peers.membership import Membership
 from common.peers.prefill_pool import PrefillPool
-from router.service import RouterService
+from common.serving.daemon import GrpcDaemon, setup_logging
+from common.serving.daemon_config import add_tls_args
 from common.serving.tls import TlsFiles
-from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2_grpc
+from router.hand_off import Router
+from router.service import RouterService
 
 log = logging.getLogger("router")
 

@@ -16,10 +16,10 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.errors import Unavailable
-from common.serving.prompts import prompt_token_ids
+from common.model.tokenizer import Tokenizer
 from common.peers.membership import Member, Membership
 from common.peers.prefill_pool import PrefillPool
-from common.model.tokenizer import Tokenizer
+from common.serving.prompts import prompt_token_ids
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import grpc
 
 from common.errors import RequestError
-from router.hand_off import Router
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
+from router.hand_off import Router
 
 
 class RouterService(duet_pb2_grpc.DecodeNodeServicer):

@@ -44,9 +44,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from common.engine.engine import Engine
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.engine.engine import Engine
 from common.model.model import LlamaModel
 
 PAGE_SIZE = 16

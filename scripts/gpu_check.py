@@ -48,12 +48,12 @@ from pathlib import Path
 
 import torch
 
-from common.model.default_model import default_model_path
 from common.engine.engine import Engine
 from common.kv.kv_pool import KVPool
+from common.model.default_model import default_model_path
 from common.model.model import LlamaModel
-from common.serving.model_loading import load_model_and_tokenizer
 from common.model.tokenizer import Tokenizer, load_tokenizer
+from common.serving.model_loading import load_model_and_tokenizer
 from cuda import extension
 from cuda.paged_kv import DTYPES, torch_gather_from_slots, torch_scatter_to_slots
 from protos.duet.v1 import duet_pb2 as pb

@@ -17,8 +17,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.errors import Aborted, DeadlineExceeded, ResourceExhausted
 from common.engine.sampling import SamplingParams
+from common.errors import Aborted, DeadlineExceeded, ResourceExhausted
 from decode_node.config import DecodeNodeConfig
 from decode_node.node import DecodeNode
 from protos.duet.v1 import duet_pb2 as pb

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.serving.daemon_config import check_device
 from common.kv.kv_pool import KVPool
+from common.serving.daemon_config import check_device
 from cuda import extension
 from cuda.paged_kv import (DTYPES, gather_from_slots, scatter_to_slots, torch_gather_from_slots,
                            torch_scatter_to_slots)

@@ -6,14 +6,14 @@ import random
 import pytest
 import torch
 
-from common.model.checkpoint import load_checkpoint
 from common.engine.engine import Engine, Sequence
 from common.engine.guided import GrammarCompiler
-from common.model.model import LlamaModel
 from common.engine.ngram_proposer import propose_ngram
 from common.engine.sampling import Draw, SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
+from common.model.checkpoint import load_checkpoint
+from common.model.model import LlamaModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from tests.reference import engine_greedy, hf_greedy

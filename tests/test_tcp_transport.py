@@ -15,8 +15,8 @@ import torch
 from common.errors import NotFound
 from common.kv.kv_pool import KVPool
 from common.transports import TransferError
-from common.transports.kv_ranges import Piece
 from common.transports import tcp_transport
+from common.transports.kv_ranges import Piece
 from common.transports.tcp_transport import TcpKvReceiver, TcpKvSession, WriteGrant
 
 

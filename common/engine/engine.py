@@ -14,9 +14,9 @@ import torch
 
 from common.engine.attention_window import RELEASED, AttentionWindow, slots_at
 from common.kv.kv_pool import KVPool
-from common.model.model import ForwardBatch, LlamaModel, SequenceSlice
 from common.kv.page_allocator import PageAllocator
 from common.kv.prefix_cache import PrefixCache
+from common.model.model import ForwardBatch, LlamaModel, SequenceSlice
 
 
 @dataclass

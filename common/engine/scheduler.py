@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.model.detokenizer import IncrementalDetokenizer
 from common.engine.engine import Engine, Sequence
 from common.engine.engine_loop import EngineLoop
-from common.kv.page_allocator import OutOfPages
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
 from common.engine.step_budget import StepBudget
+from common.kv.page_allocator import OutOfPages
+from common.model.detokenizer import IncrementalDetokenizer
 from common.model.tokenizer import Tokenizer
 from common.tracing import Tracer
 

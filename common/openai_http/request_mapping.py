@@ -14,8 +14,8 @@ from enum import Enum
 from http import HTTPStatus
 from typing import Any
 
-from common.openai_http.api_errors import ApiError
 from common.engine.sampling import MAX_N, MAX_TOP_LOGPROBS
+from common.openai_http.api_errors import ApiError
 from protos.duet.v1 import duet_pb2 as pb
 
 # OpenAI's defaults where they differ from SamplingParams' own.

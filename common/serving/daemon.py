@@ -17,8 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from common.serving import placement
 from common.daemon_limits import CHANNEL_OPTIONS
+from common.serving import placement
 from common.serving.tls import TlsFiles
 from common.tracing import TraceFileWriter
 

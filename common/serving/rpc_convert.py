@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from common.errors import InvalidArgument
 from common.engine.guided import GrammarCompiler
 from common.engine.sampling import PositionLogprobs, SamplingParams
 from common.engine.scheduler import Chunk
+from common.errors import InvalidArgument
 from protos.duet.v1 import duet_pb2 as pb
 
 
