@@ -111,7 +111,7 @@ def write_plot(path: Path, records: list[dict], title: str) -> None:
 
     workloads = list(dict.fromkeys(r["workload"] for r in records))
     systems = list(dict.fromkeys(r["system"] for r in records))
-    colors = dict(zip(systems, ("tab:gray", "tab:blue", "tab:orange", "tab:green")))
+    colors = dict(zip(systems, ("tab:gray", "tab:olive", "tab:blue", "tab:purple", "tab:orange", "tab:green")))
     panels = (("TTFT (ms)", ("ttft_p50_ms", "ttft_p99_ms")), ("ITL (ms)", ("itl_p50_ms", "itl_p99_ms")),
               ("output tokens/s", ("output_tokens_per_s",)))
     fig, axes = plt.subplots(len(workloads), len(panels), figsize=(15, 3.2 * len(workloads)), squeeze=False,
