@@ -84,7 +84,8 @@ def run_round(s: Scheduler, prompts: list[list[int]], params: SamplingParams, si
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=6, help="rounds of --concurrency requests (6 x 2 = the 12 prompts of bench-peer)")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="rounds of --concurrency requests (6 x 2 = the 12 prompts of bench-peer)")
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
