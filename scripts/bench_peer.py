@@ -117,9 +117,14 @@ def serving(system: str, model_dir: Path, tmp: Path, vllm_bind: str | None):
 
 
 def spec_counts(metrics_url: str) -> tuple[float, float]:
-    """(drafted, accepted) speculative tokens so far, summed over labels."""
+    """(drafted, accepted) speculative tokens so far, from the system's Prometheus page."""
+    return spec_counts_in(urllib.request.urlopen(metrics_url, timeout=10).read().decode())
+
+
+def spec_counts_in(page: str) -> tuple[float, float]:
+    """(drafted, accepted) speculative tokens on a Prometheus text page, summed over labels."""
     totals: dict[str, float] = {}
-    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
+    for line in page.splitlines():
         if line and not line.startswith("#"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
             totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CODE_DIR = ROOT / "loadgen"  # modules whose last lines are plain code
+import loadgen
+
+CODE_DIR = Path(loadgen.__file__).parent  # modules whose last lines are plain code
 TOPICS = ("a lighthouse keeper", "a lost robot", "a village baker", "a mountain storm", "a chess champion",
           "a river journey", "an old library", "a desert caravan")
 

@@ -12,6 +12,7 @@ import torch
 from common.model.checkpoint import load_checkpoint
 from common.model.gguf_loader import load_gguf
 from common.model.tokenizer import load_tokenizer
+from scripts.bench_peer import spec_counts_in
 from scripts.export_hf_model import export_hf_model
 from scripts.peer_report import format_table
 from scripts.peer_vllm import VLLM_VERSION, write_version_stub_wheel
@@ -82,3 +83,18 @@ def test_speculating_systems_are_compared_with_vllm_ngram_and_with_themselves_wi
         "speculation, copy-heavy: vllm-ngram / vllm out tok/s = 2.00x, ITL p50 = 0.50x, drafted tokens accepted: 50%",
         "speculation, copy-heavy: duet-ngram / duet-colocated out tok/s = 2.50x, ITL p50 = 0.33x, "
         "drafted tokens accepted: 75%"]
+
+
+def test_speculative_counters_of_both_engines_are_read_and_summed_over_labels():
+    vllm = "\n".join([
+        "# TYPE vllm:spec_decode_num_draft_tokens counter",
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 120.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 8.0',
+        'vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="m"} 1.7e+09',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 85.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 25.0'])
+    duet = "\n".join(["# HELP duet_spec_draft_tokens_total x", "duet_spec_draft_tokens_total 40.0",
+                      "duet_spec_accepted_tokens_total 31.0"])
+    assert spec_counts_in(vllm) == (128.0, 85.0)
+    assert spec_counts_in(duet) == (40.0, 31.0)
+    assert spec_counts_in("process_cpu_seconds_total 3.0\n") == (0.0, 0.0)
