@@ -39,13 +39,14 @@ def _dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slices: li
     for s in slices:
         qs = q[start : start + s.num_new].transpose(0, 1)  # [nh, n, hd]
         start += s.num_new
-        k = keys[s.context_slots].repeat_interleave(NH // KVH, dim=1).transpose(0, 1)
-        v = values[s.context_slots].repeat_interleave(NH // KVH, dim=1).transpose(0, 1)
+        group = q.shape[1] // keys.shape[1]
+        k = keys[s.context_slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        v = values[s.context_slots].repeat_interleave(group, dim=1).transpose(0, 1)
         mask = s.mask
         if mask is None:
             q_pos = torch.arange(s.context_len - s.num_new, s.context_len)
             mask = torch.arange(s.context_len)[None, :] <= q_pos[:, None]
-        scores = (qs @ k.transpose(1, 2)) * HD ** -0.5
+        scores = (qs @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
         scores = scores.masked_fill(~mask, float("-inf"))
         rows.append((F.softmax(scores, dim=-1) @ v).transpose(0, 1))
     return torch.cat(rows)
@@ -53,19 +54,27 @@ def _dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slices: li
 
 @needs_kernel
 @pytest.mark.parametrize("window", [None, AttentionWindow(5, sinks=2)], ids=["causal", "window+sinks"])
-def test_kernel_equals_fallback_and_dense(window: AttentionWindow | None) -> None:
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, HD), (torch.float32, 64), (torch.bfloat16, 64)],
+                         ids=["fp32-generic", "fp32-hd64", "bf16-hd64"])
+def test_kernel_equals_fallback_and_dense(window: AttentionWindow | None, dtype: torch.dtype, head_dim: int) -> None:
+    """Head dims 64 and 128 take the kernel's compile-time-unrolled path, others the generic one;
+    bfloat16 is compared with dense float32 attention over the same (rounded) values, within
+    the rounding of a bfloat16 output."""
     gen = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(SLOTS, KVH, HD, generator=gen), torch.randn(SLOTS, KVH, HD, generator=gen)
+    keys, values = (torch.randn(SLOTS, KVH, head_dim, generator=gen).to(dtype) for _ in range(2))
     # decodes, a prefill chunk the kernel does not take between them, a whole-prompt chunk
     shapes = [(1, 37), (KERNEL_MAX_QUERIES + 3, 50), (1, 1), (KERNEL_MAX_QUERIES, 20), (1, 90), (7, 7)]
     slices = _slices(gen, shapes, window)
-    q = torch.randn(sum(n for n, _ in shapes), NH, HD, generator=gen)
+    q = torch.randn(sum(n for n, _ in shapes), NH, head_dim, generator=gen).to(dtype)
     with_kernel = AttentionPlan(slices, CPU, use_kernel=True)
     assert with_kernel.kernel is not None and not with_kernel.kernel.contiguous
     got = attend(q, keys, values, with_kernel)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16 keeps 8 bits of mantissa
+    dense = _dense(q.float(), keys.float(), values.float(), slices)
+    torch.testing.assert_close(got.float(), dense, rtol=tol, atol=tol)
     fallback = attend(q, keys, values, AttentionPlan(slices, CPU, use_kernel=False))
-    torch.testing.assert_close(got, fallback, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, _dense(q, keys, values, slices), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), fallback.float(), rtol=tol, atol=tol)
 
 
 @needs_kernel

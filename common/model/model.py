@@ -78,7 +78,11 @@ class LlamaModel:
         return KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+        # Below float32 the statistics are taken in float32 and the weight applied after rounding
+        # back, in the order transformers' LlamaRMSNorm uses.
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.config.rms_norm_eps).to(x.dtype) * weight
 
     @torch.inference_mode()
     def forward(

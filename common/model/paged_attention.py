@@ -8,7 +8,7 @@ Two implementations compute the same thing:
   query heads grouped by KV head; each prefilling chunk on its own).
 
 `AttentionPlan` is built once per forward (its index tensors serve every layer) and decides which
-sequences each implementation takes: the kernel takes every sequence of a float32 CPU forward
+sequences each implementation takes: the kernel takes every sequence of a float32 or bfloat16 CPU forward
 when it built (cpu/extension.py) except prefill chunks of more than `KERNEL_MAX_QUERIES` tokens,
 where SDPA's blocked matrix products win and one gather per layer costs little against the
 chunk's compute. A CUDA paged-attention kernel would join here the same way: a plan field for
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from cpu import extension as cpu_extension
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 K/V are widened as read; sums in float32
 KERNEL_MAX_QUERIES = 2  # longer prefill chunks go to SDPA: 1.7x faster at 4 queries, 4x at 64 (docs/bench/README.md)
 
 
@@ -45,7 +46,7 @@ class SequenceSlice:
 
 def kernel_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether forwards on `device` in `dtype` can use the CPU kernel (building it at first call)."""
-    return device.type == "cpu" and dtype == torch.float32 and cpu_extension.kernels() is not None
+    return device.type == "cpu" and dtype in KERNEL_DTYPES and cpu_extension.kernels() is not None
 
 
 class _KernelArgs:
