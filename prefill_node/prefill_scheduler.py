@@ -151,7 +151,7 @@ class PrefillScheduler(EngineLoop):
 
         started, started_unix = time.perf_counter(), time.time()
         try:
-            self.engine.forward([(job.seq, n) for job, n, _ in work], on_layer_done=push)
+            self.engine.forward([(job.seq, n) for job, n, _ in work], on_layer_done=push, logits=False)
         except Exception as exc:
             log.exception("prefill forward failed")
             for job, _, _ in work:

@@ -6,6 +6,10 @@ import torch
 from common.engine.engine import Engine
 from common.model.model import LlamaModel
 
+# Daemon flags of tests that compare tokens with the float32 references below (the daemons'
+# default, --dtype auto, is bfloat16 on CPUs with AVX512-BF16 or AMX).
+FP32 = ("--dtype", "float32")
+
 
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:

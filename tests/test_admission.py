@@ -23,7 +23,7 @@ from decode_node.config import DecodeNodeConfig
 from decode_node.node import DecodeNode
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
-from tests.reference import hf_greedy
+from tests.reference import FP32, hf_greedy
 
 PAGE = 16
 POOL = 16
@@ -159,7 +159,7 @@ def greedy(n: int) -> pb.SamplingParams:
 @pytest.fixture(scope="module")
 def queued(tmp_path_factory):
     """16 pages of 16 tokens, one kept free (watermark 0.1): one request may hold 15; one waiter."""
-    with decode_node(tmp_path_factory.mktemp("dn_queue"), "--kv-pages", str(POOL), "--threads", "1",
+    with decode_node(tmp_path_factory.mktemp("dn_queue"), *FP32, "--kv-pages", str(POOL), "--threads", "1",
                      "--admission", "queue", "--max-queued-requests", "1", "--admission-watermark", "0.1") as d:
         yield d
 

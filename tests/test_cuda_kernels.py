@@ -163,13 +163,14 @@ def test_cuda_kernels_equal_the_fallback():
 
 
 def test_device_flags_are_checked_at_startup():
-    with pytest.raises(ValueError, match="--dtype bfloat16 needs --device cuda"):
-        check_device("cpu", "bfloat16")
+    with pytest.raises(ValueError, match="--dtype float16 needs --device cuda"):
+        check_device("cpu", "float16")
     with pytest.raises(ValueError, match="--device must be one of cpu, cuda"):
         check_device("tpu", "float32")
     with pytest.raises(ValueError, match="--dtype must be one of"):
         check_device("cpu", "float64")
     check_device("cpu", "float32")
+    check_device("cpu", "bfloat16")
     if torch.cuda.is_available():
         DecodeNodeConfig(device="cuda", dtype="bfloat16", transport="tcp")  # staged through host memory
     else:

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.kv.kv_metadata import expand_slots
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
-from tests.reference import hf_greedy
+from tests.reference import FP32, hf_greedy
 
 PAGE = 16
 
@@ -52,14 +52,14 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    with decode_node(tmp_path_factory.mktemp("dn")) as d:
+    with decode_node(tmp_path_factory.mktemp("dn"), *FP32) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def small_node(tmp_path_factory):
     """64 pages of 16 tokens and a 1 s lease."""
-    with decode_node(tmp_path_factory.mktemp("dn_small"), "--kv-pages", "64", "--lease-seconds", "1") as d:
+    with decode_node(tmp_path_factory.mktemp("dn_small"), *FP32, "--kv-pages", "64", "--lease-seconds", "1") as d:
         yield d
 
 
@@ -252,7 +252,7 @@ def test_cancelled_stream_and_abort_free_pages(node):
 
 
 def test_sigterm_drains_and_exits_zero(tmp_path):
-    with decode_node(tmp_path) as d:
+    with decode_node(tmp_path, *FP32) as d:
         stream = d.stub.Generate(pb.GenerateRequest(token_ids=_ids(10, 10), sampling=greedy(20)))
         next(stream)
         d.proc.send_signal(signal.SIGTERM)

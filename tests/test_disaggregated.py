@@ -9,7 +9,7 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
-from tests.reference import engine_greedy, hf_greedy
+from tests.reference import FP32, engine_greedy, hf_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
 
@@ -33,7 +33,7 @@ def tokens_of(stream) -> tuple[list[int], pb.GenerationChunk]:
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def pair(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"pair_{request.param}")
-    transport = ("--transport", request.param)
+    transport = (*FP32, "--transport", request.param)
     with prefill_node(tmp, *transport, "--max-batch-tokens", "512") as pn, \
             decode_node(tmp, *transport, "--prefill", pn.address, "--min-remote-prefill-tokens", "1") as dn:
         yield dn, pn
@@ -148,7 +148,7 @@ def test_bad_requests_leave_both_nodes_clean(pair):
 def test_wrong_fingerprint_is_failed_precondition(pair, tmp_path):
     dn, _ = pair
     transport = dn.proc.args[dn.proc.args.index("--transport") + 1]
-    with prefill_node(tmp_path, "--transport", transport, "--page-size", "8") as other:
+    with prefill_node(tmp_path, *FP32, "--transport", transport, "--page-size", "8") as other:
         r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="fp", token_ids=_ids(20, 12)))
         with pytest.raises(grpc.RpcError) as info:
             other.stub.RemoteSend(pb.RemoteSendRequest(
@@ -164,7 +164,7 @@ def test_wrong_fingerprint_is_failed_precondition(pair, tmp_path):
 def small_pair(request, tmp_path_factory):
     """A pair whose decode node has a 48-page pool, small enough to fragment with a few calls."""
     tmp = tmp_path_factory.mktemp(f"small_pair_{request.param}")
-    transport = ("--transport", request.param)
+    transport = (*FP32, "--transport", request.param)
     with prefill_node(tmp, *transport) as pn, \
             decode_node(tmp, *transport, "--kv-pages", "48", "--prefill", pn.address) as dn:
         yield dn, pn

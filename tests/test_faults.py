@@ -37,7 +37,7 @@ import torch
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, free_port
-from tests.reference import engine_greedy
+from tests.reference import FP32, engine_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
 LEASE_S = 2.0
@@ -103,7 +103,7 @@ def code_of(call) -> grpc.StatusCode:
 def _spawn(module: str, args: list[str], tmp: Path, port: int | None = None) -> Daemon:
     if port is not None:
         args = [*args, "--port", str(port)]  # argparse: the last --port wins
-    d = Daemon(module, args, tmp / f"{module}_{free_port()}.log")
+    d = Daemon(module, [*FP32, *args], tmp / f"{module}_{free_port()}.log")
     if port is not None:
         d.port, d.address = port, f"127.0.0.1:{port}"
         d.channel.close()

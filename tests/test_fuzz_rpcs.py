@@ -23,7 +23,7 @@ from common.serving.fingerprint import fingerprint_of
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, free_port
-from tests.reference import engine_greedy
+from tests.reference import FP32, engine_greedy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,9 +62,9 @@ class Nodes:
 @pytest.fixture(scope="module")
 def nodes(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
-    pn = Daemon("prefill_node", ["--transport", "tcp", "--threads", "1", "--max-batch-tokens", "256"],
+    pn = Daemon("prefill_node", [*FP32, "--transport", "tcp", "--threads", "1", "--max-batch-tokens", "256"],
                 tmp / f"prefill_{free_port()}.log")
-    dn = Daemon("decode_node", ["--transport", "tcp", "--threads", "1", "--lease-seconds", str(LEASE_S),
+    dn = Daemon("decode_node", [*FP32, "--transport", "tcp", "--threads", "1", "--lease-seconds", str(LEASE_S),
                                 "--kv-pages", str(DECODE_PAGES), "--prefill", pn.address], tmp / f"decode_{free_port()}.log")
     try:
         request.getfixturevalue("model")  # load the reference model while the daemons start

@@ -17,6 +17,7 @@ from decode_node.service import DecodeNodeService
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import UCX_ENV, prefill_node
+from tests.reference import FP32
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_received_kv_equals_locally_computed(in_process_decode_node, model, tmp_
     node = in_process_decode_node
     prompt = random.Random(5).choices(range(100, 40000), k=300)
     p = node.prepare_receive("kv", prompt, -1)
-    with prefill_node(tmp_path, "--transport", node.config.transport) as pn:
+    with prefill_node(tmp_path, *FP32, "--transport", node.config.transport) as pn:
         pn.stub.RemoteSend(pb.RemoteSendRequest(
             request_id="kv", token_ids=prompt, kv_window_begin=0, kv_window_end=p.kv_window_end,
             kv_append_metadata=p.kv_append_metadata, decode_address=node.config.advertise_address,

@@ -20,10 +20,10 @@ from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint
 from common.openai_http.server import OpenAIFront, _cancel_when_client_leaves
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, free_port, prefill_node, router
-from tests.reference import hf_greedy
+from tests.reference import FP32, hf_greedy
 from tests.test_tls import certs  # noqa: F401 (the fixture: a CA, node and client certificates, a rogue CA)
 
-DAEMON_FLAGS = ("--transport", "tcp", "--threads", "1", "--kv-pages", "160")
+DAEMON_FLAGS = (*FP32, "--transport", "tcp", "--threads", "1", "--kv-pages", "160")
 PROMPT = "In the quiet village at the edge of the forest, the old clockmaker spent his evenings"
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Name three colours of the rainbow."}]

@@ -7,7 +7,7 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
-from tests.reference import hf_greedy
+from tests.reference import FP32, hf_greedy
 from tests.test_disaggregated import _ids, no_leak
 
 PAGE_SIZE = 16
@@ -17,7 +17,7 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parallel")
-    common = ("--transport", "tcp", "--threads", "1", "--kv-pages", "96", "--page-size", str(PAGE_SIZE))
+    common = (*FP32, "--transport", "tcp", "--threads", "1", "--kv-pages", "96", "--page-size", str(PAGE_SIZE))
     # Generate prefills locally (a huge --min-remote-prefill-tokens): the seeded test compares one
     # daemon with itself; the hand-off tests make the three calls explicitly.
     with prefill_node(tmp, *common) as pn, \

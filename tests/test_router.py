@@ -11,7 +11,7 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node, router
-from tests.reference import engine_greedy
+from tests.reference import FP32, engine_greedy
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -33,7 +33,7 @@ def wait_for(predicate, timeout: float = 20.0) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
-    with prefill_node(tmp) as p1, prefill_node(tmp) as p2, decode_node(tmp) as dn:
+    with prefill_node(tmp, *FP32) as p1, prefill_node(tmp, *FP32) as p2, decode_node(tmp, *FP32) as dn:
         members = tmp / "members.json"
         members.write_text(json.dumps({"decode": [dn.address], "prefill": [p1.address, p2.address]}))
         with router(tmp, "--members", str(members), "--poll-seconds", "0.2", "--min-remote-prefill-tokens", "8") as rt:

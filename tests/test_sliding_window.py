@@ -25,7 +25,7 @@ from common.model.model import LlamaModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
-from tests.reference import hf_greedy
+from tests.reference import FP32, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,7 +185,7 @@ def test_receive_begin_skips_to_the_window(mistral_dir):
 @pytest.fixture(scope="module")
 def pair(mistral_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("window_pair")
-    common = ("--model", str(mistral_dir), "--transport", "tcp", "--threads", "1", "--page-size", str(PAGE))
+    common = (*FP32, "--model", str(mistral_dir), "--transport", "tcp", "--threads", "1", "--page-size", str(PAGE))
     # 8 pages: a 100-token prompt plus 40 tokens needs 9 without the window.
     with prefill_node(tmp, *common, "--kv-pages", "8", "--max-batch-tokens", "24") as pn, \
             decode_node(tmp, *common, "--kv-pages", "8", "--prefill", pn.address,

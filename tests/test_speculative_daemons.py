@@ -10,10 +10,10 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, free_port, prefill_node, router
-from tests.reference import engine_greedy
+from tests.reference import FP32, engine_greedy
 from tests.test_router import wait_for
 
-FLAGS = ("--transport", "tcp", "--threads", "1", "--kv-pages", "160")
+FLAGS = (*FP32, "--transport", "tcp", "--threads", "1", "--kv-pages", "160")
 CODE = "".join(f"def f{i}(x, y):\n    return x * {i} + y\n\n" for i in range(4))
 MAX_TOKENS = 40
 

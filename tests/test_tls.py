@@ -12,7 +12,7 @@ from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import decode_node, prefill_node
-from tests.reference import engine_greedy
+from tests.reference import FP32, engine_greedy
 
 SAN = "subjectAltName=IP:127.0.0.1,DNS:localhost"
 
@@ -46,8 +46,8 @@ def certs(tmp_path_factory):
 
 def test_mutual_tls_hand_off(certs, tmp_path, model):
     node = certs["node"]
-    with prefill_node(tmp_path, tls=node) as pn, \
-            decode_node(tmp_path, "--prefill", pn.address, "--min-remote-prefill-tokens", "1", tls=node) as dn:
+    with prefill_node(tmp_path, *FP32, tls=node) as pn, \
+            decode_node(tmp_path, *FP32, "--prefill", pn.address, "--min-remote-prefill-tokens", "1", tls=node) as dn:
         prompt = random.Random(1).choices(range(100, 40000), k=60)
         client = duet_pb2_grpc.DecodeNodeStub(certs["client"].channel(dn.address))
         request = pb.GenerateRequest(token_ids=prompt, sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True))

@@ -16,6 +16,7 @@ from common.tracing import MAX_EVENTS_PER_REQUEST, TraceEvent, Tracer, TraceFile
 from decode_node.config import parse_args as decode_args
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import ROOT, decode_node, free_port, prefill_node
+from tests.reference import FP32
 
 # ---------------------------------------------------------------- the recorder
 
@@ -190,7 +191,7 @@ NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 3, 40, 4
 def traced_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("traced")
     files = {name: tmp / f"{name}.json" for name in ("prefill", "decode", "run", "result")}
-    flags = ("--transport", "tcp", "--threads", "1", "--kv-pages", "128")
+    flags = (*FP32, "--transport", "tcp", "--threads", "1", "--kv-pages", "128")
     dead = f"127.0.0.1:{free_port()}"
     with prefill_node(tmp, *flags, "--trace", str(files["prefill"])) as pn, \
             decode_node(tmp, *flags, "--prefill", pn.address, "--min-remote-prefill-tokens", "1",

@@ -32,7 +32,7 @@ from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.netns_hosts import (ROOT, UCX_TCP_PORT_RANGE, Host, NetnsDaemon, Network, die_with_parent,
                                  netns_unavailable_reason, start_daemons)
-from tests.reference import engine_greedy
+from tests.reference import FP32, engine_greedy
 
 LEASE_S = 5.0  # short, but long enough for a 400-token hand-off on a busy 2-core machine
 TRANSFER_TIMEOUT_S = 8.0
@@ -155,10 +155,10 @@ def _start_three(net, transport: str, tmp: Path, members: Path):
     port, metrics_port = PORTS[transport]
     # The prefill node listens on every interface of its host (so the cut test's in-namespace
     # client reaches it over loopback) and advertises its link address.
-    pn = NetnsDaemon(ph, "prefill_node", ["--transport", transport, "--max-batch-tokens", str(MAX_BATCH_TOKENS),
+    pn = NetnsDaemon(ph, "prefill_node", [*FP32, "--transport", transport, "--max-batch-tokens", str(MAX_BATCH_TOKENS),
                                           "--transfer-timeout-seconds", str(TRANSFER_TIMEOUT_S)],
                      tmp / "prefill.log", port=port, metrics_port=metrics_port, listen="0.0.0.0")
-    dn = NetnsDaemon(dh, "decode_node", ["--transport", transport, "--prefill", pn.address,
+    dn = NetnsDaemon(dh, "decode_node", [*FP32, "--transport", transport, "--prefill", pn.address,
                                          "--min-remote-prefill-tokens", "1", "--lease-seconds", str(LEASE_S),
                                          "--quarantine-seconds", str(QUARANTINE_S)],
                      tmp / "decode.log", port=port, metrics_port=metrics_port)

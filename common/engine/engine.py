@@ -112,10 +112,18 @@ class Engine:
         work: list[tuple[Sequence, int]],
         on_layer_done: Callable[[int], None] | None = None,
         every_position: Container[int] = (),
+        logits: bool = True,
     ) -> torch.Tensor:
         """Compute the next `n` pending positions of each sequence; returns logits at each one's
         last computed position (`[len(work), vocab]`), or at all `n` of them for the indices of
-        `work` in `every_position` (prompt logprobs). Pages must already be reserved."""
+        `work` in `every_position` (prompt logprobs), or none with `logits=False` (a prefill
+        node: it only writes K/V). Pages must already be reserved.
+
+        A chunk that ends at a sequence's last token (the one the next token is sampled from)
+        computes that token as a one-query slice of its own, the way a decode node computes the
+        last prompt token after a hand-off: below float32 the rounding of a chunk's attention
+        depends on its length, so this keeps a locally prefilled request token-identical to a
+        disaggregated one. The extra slice costs no step and adds no matrix product."""
         ids, positions, slices, rows = [], [], [], []
         total = 0
         for i, (seq, n) in enumerate(work):
@@ -124,19 +132,24 @@ class Engine:
                 raise ValueError(f"{seq.seq_id}: cannot compute {n} positions from {start} of {len(seq.token_ids)}")
             ids.extend(seq.token_ids[start:end])
             positions.append(torch.arange(start, end))
-            slices.append(self._slice(seq, start, end))
+            every = i in every_position
+            if logits and not every and n > 1 and end == len(seq.token_ids):
+                slices += [self._slice(seq, start, end - 1), self._slice(seq, end - 1, end)]
+            else:
+                slices.append(self._slice(seq, start, end))
             total += n
-            rows.extend(range(total - n, total) if i in every_position else [total - 1])
+            if logits:
+                rows.extend(range(total - n, total) if every else [total - 1])
         batch = ForwardBatch(
             token_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions),
             slices=slices,
             logit_rows=torch.tensor(rows, dtype=torch.long),
         )
-        logits = self.model.forward(batch, self.pool, on_layer_done)
+        out = self.model.forward(batch, self.pool, on_layer_done)
         for seq, n in work:
             seq.num_computed += n
-        return logits
+        return out
 
     def _slice(self, seq: Sequence, start: int, end: int) -> SequenceSlice:
         """Positions `[start, end)` as queries; with a sliding window the context is only the

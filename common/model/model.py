@@ -91,7 +91,8 @@ class LlamaModel:
         pool: KVPool,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Write the new tokens' K/V into the pool and return `[R, vocab]` fp32 logits.
+        """Write the new tokens' K/V into the pool and return `[R, vocab]` fp32 logits (none
+        computed when `logit_rows` is empty).
 
         `on_layer_done(layer)` runs as soon as a layer's K/V is in the pool, so a transport
         can ship that layer while later layers compute.
@@ -123,6 +124,8 @@ class LlamaModel:
             if on_layer_done is not None:
                 on_layer_done(i)
         rows = batch.logit_rows.to(self.device)
+        if not rows.numel():
+            return torch.empty(0, cfg.vocab_size, device=self.device)
         return self.lm_head(self._rms_norm(x[rows], self.norm)).float()
 
 

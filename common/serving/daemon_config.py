@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from common.serving.dtype_choice import DTYPES, resolve_dtype
 from common.serving.placement import parse_cpus
 from common.serving.tls import TlsFiles
 from common.transports import TRANSPORTS
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 C = TypeVar("C", bound="DaemonConfig")
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
 def check_device(device: str, dtype: str) -> None:
@@ -26,10 +26,7 @@ def check_device(device: str, dtype: str) -> None:
     `--dtype`."""
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if device == "cpu" and dtype != "float32":
-        raise ValueError(f"--dtype {dtype} needs --device cuda: the CPU engine runs float32")
+    resolve_dtype(device, dtype)
     if device == "cuda":
         import torch  # here, not at the top: the router imports this module and needs no torch
 
@@ -54,7 +51,7 @@ class DaemonConfig:
     nice: int = 0  # added to the process's niceness at start (the prefill node defaults to 10)
     attention_sinks: int = 0  # sliding-window models: leading positions every query attends too
     device: str = "cpu"  # where the weights and the KV pool live: cpu or cuda (docs/gpu.md)
-    dtype: str = "float32"  # weights, activations and KV; bfloat16 / float16 need --device cuda
+    dtype: str = "auto"  # weights, activations and KV (common/serving/dtype_choice.py); see resolved_dtype
     log_level: str = "info"
     advertise_host: str = ""  # the host peers should dial; default --host
     tls_cert: Path | None = None
@@ -68,10 +65,15 @@ class DaemonConfig:
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
+    def resolved_dtype(self) -> str:
+        """What `--dtype` means on this machine: `auto` resolved."""
+        return resolve_dtype(self.device, self.dtype)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.resolved_dtype)
 
     @property
     def advertise_address(self) -> str:
@@ -127,7 +129,8 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    help="run the model and keep the KV pool here; cuda = the current CUDA device, registered "
                    "with NIXL as VRAM (default %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
-                   help="weights, activations and KV; bfloat16 and float16 need --device cuda; prefill and "
+                   help="weights, activations and KV cache; auto = bfloat16 on a CUDA device or a CPU with "
+                   "AVX512-BF16 or AMX (as vLLM), else float32; float16 needs --device cuda; prefill and "
                    "decode nodes must agree (default %(default)s)")
     p.add_argument("--advertise-host", default="", metavar="HOST",
                    help="address other nodes should use to reach this one (default: --host); needed when "

@@ -17,12 +17,15 @@ log = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float32,
-                             device: str = "cpu", attention_sinks: int = 0) -> tuple[LlamaModel, Tokenizer]:
+                             device: str = "cpu", attention_sinks: int = 0,
+                             dtype_flag: str | None = None) -> tuple[LlamaModel, Tokenizer]:
+    """`dtype_flag`, when given, is the `--dtype` that chose `dtype` (logged beside it)."""
     path = path or default_model_path()
     started = time.monotonic()
     model = LlamaModel(with_attention_sinks(load_checkpoint(path), attention_sinks), dtype=dtype, device=device)
     tokenizer = load_tokenizer(path)
     log.info("model loaded", extra={"fields": {
         "model": str(path), "layers": model.config.num_layers, "dtype": str(dtype).removeprefix("torch."),
+        "dtype_flag": dtype_flag or str(dtype).removeprefix("torch."),
         "device": str(model.device), "seconds": round(time.monotonic() - started, 2)}})
     return model, tokenizer

@@ -14,6 +14,10 @@ def read_locked(engine: Engine, read: Callable[[], float]) -> float:
 
 
 def register_pool_gauges(registry: CollectorRegistry, engine: Engine) -> None:
+    pool = engine.pool
+    Gauge("duet_info", "What this node computes in: 1, labelled with the dtype and device of its weights and KV",
+          ["dtype", "device"], registry=registry).labels(
+        dtype=str(pool.dtype).removeprefix("torch."), device=pool.data.device.type).set(1)
     Gauge("duet_kv_pages_total", "Pages in the KV pool", registry=registry).set(engine.allocator.num_pages)
     Gauge("duet_kv_pages_free", "Pages on the free list", registry=registry).set_function(
         lambda: engine.allocator.num_free)

@@ -1,0 +1,58 @@
+"""`--dtype auto` picks what the hardware computes natively; the choice is visible to peers and
+to Prometheus."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from common.engine.engine import Engine
+from common.model.checkpoint import load_checkpoint
+from common.model.model import LlamaModel
+from common.serving import dtype_choice
+from common.serving.fingerprint import fingerprint_of, mismatch
+from common.serving.pool_metrics import register_pool_gauges
+from decode_node.config import DecodeNodeConfig
+
+
+@pytest.mark.parametrize(("flags", "device", "want"), [
+    ({"avx512f", "avx512_bf16"}, "cpu", "bfloat16"),
+    ({"amx_bf16", "amx_tile"}, "cpu", "bfloat16"),
+    ({"avx512f", "avx2"}, "cpu", "float32"),  # bf16 would be emulated: slower than fp32
+    (set(), "cuda", "bfloat16"),
+])
+def test_auto_follows_the_hardware(monkeypatch, flags, device, want):
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: flags)
+    assert dtype_choice.resolve_dtype(device, "auto") == want
+
+
+def test_explicit_dtypes_and_refusals():
+    assert dtype_choice.resolve_dtype("cpu", "float32") == "float32"
+    assert dtype_choice.resolve_dtype("cpu", "bfloat16") == "bfloat16"
+    assert dtype_choice.resolve_dtype("cuda", "float16") == "float16"
+    with pytest.raises(ValueError, match="--dtype float16 needs --device cuda"):
+        dtype_choice.resolve_dtype("cpu", "float16")
+    with pytest.raises(ValueError, match="--dtype must be one of auto, float32, bfloat16, float16"):
+        dtype_choice.resolve_dtype("cpu", "fp8")
+
+
+def test_config_resolves_auto(monkeypatch):
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx512_bf16"})
+    config = DecodeNodeConfig()
+    assert config.dtype == "auto" and config.resolved_dtype == "bfloat16"
+    assert str(config.torch_dtype) == "torch.bfloat16"
+    assert DecodeNodeConfig(dtype="float32").resolved_dtype == "float32"
+
+
+def test_dtype_in_fingerprint_and_info_gauge(model_path):
+    import torch
+
+    ckpt = load_checkpoint(model_path)
+    engines = {d: Engine(LlamaModel(ckpt, dtype=getattr(torch, d)), num_pages=4, page_size=16)
+               for d in ("float32", "bfloat16")}
+    prints = {d: fingerprint_of(e.model, e.pool) for d, e in engines.items()}
+    assert prints["bfloat16"].dtype == "bfloat16"
+    why = mismatch(prints["float32"], prints["bfloat16"], "decode node", "prefill node")
+    assert why == "incompatible KV layout (dtype: decode node has 'float32', prefill node has 'bfloat16')"
+    registry = CollectorRegistry()
+    register_pool_gauges(registry, engines["bfloat16"])
+    assert 'duet_info{device="cpu",dtype="bfloat16"} 1.0' in generate_latest(registry).decode()
