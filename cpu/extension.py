@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "paged_attention.cpp"
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 
 def _cpu_features() -> str:

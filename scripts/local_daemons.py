@@ -67,10 +67,13 @@ class Daemon:
             time.sleep(0.2)
         raise TimeoutError(f"daemon not healthy after {timeout}s:\n{self.log_path.read_text()}")
 
+    def metrics_text(self) -> str:
+        """The Prometheus endpoint's page."""
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of the Prometheus endpoint, by name."""
-        return parse_metrics(
-            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode())
+        return parse_metrics(self.metrics_text())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         self.channel.close()

@@ -35,3 +35,17 @@ def hf_model(model_path):
         str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
     )
     return hf.eval()
+
+
+@pytest.fixture(scope="session")
+def model_bf16(model_path) -> LlamaModel:
+    return LlamaModel(load_checkpoint(model_path), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def hf_model_bf16(model_path):
+    """transformers on the same GGUF in bfloat16: the reference of the bf16 engine."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.bfloat16
+    ).eval()

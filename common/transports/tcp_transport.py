@@ -146,7 +146,8 @@ def _recv_struct(sock: socket.socket, st: struct.Struct, alive: Callable[[], boo
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")
+    # Through uint8: numpy has no bfloat16, and a socket moves bytes anyway.
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def _through_host(pool: KVPool) -> bool:
