@@ -20,7 +20,7 @@ def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node), daemon.server)
     if config.openai_port is not None:
         attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model,
-                            config.api_key)
+                            config.api_key, config.tool_call_parser)
     return node
 
 

@@ -33,6 +33,7 @@ class DecodeNodeConfig(DaemonConfig):
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
     served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
     api_key: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys the HTTP API requires; () = none
+    tool_call_parser: str = "hermes"  # how the HTTP API reads tool calls out of tool_choice "auto" answers
     speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (common/engine/speculative.py)
     num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
     ngram_min: int = SpeculativeConfig.ngram_min

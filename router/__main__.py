@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
     if args.openai_port is not None:
         attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model,
-                            args.api_key)
+                            args.api_key, args.tool_call_parser)
     stop = threading.Event()
     if args.members is not None:
         threading.Thread(target=watch_members, args=(args.members, decode, prefill, stop, args.poll_seconds),

@@ -50,10 +50,13 @@ def _message(message: Any, name: str) -> pb.ChatMessage:
 
 
 def _tool_call(call: Any, name: str) -> pb.ToolCall:
-    """`{id, type: "function", function: {name, arguments}}`, arguments a JSON object as text."""
+    """`{id, type: "function", function: {name, arguments}}`, arguments a JSON object as text; the
+    `index` a streamed call was assembled by may come along (the call's position, nothing to do)."""
     if not isinstance(call, dict):
         raise ApiError.invalid(f"{name} must be an object with id, type and function", param=name)
-    refuse_unknown_keys(call, {"id", "type", "function"}, name)
+    refuse_unknown_keys(call, {"id", "type", "function", "index"}, name)
+    if not isinstance(call.get("index", 0), int):
+        raise ApiError.invalid(f"{name}.index must be an integer", param=f"{name}.index")
     if call.get("type", "function") != "function":
         raise ApiError.invalid(f"{name}.type must be 'function'", param=f"{name}.type")
     call_id, function = call.get("id"), call.get("function")
@@ -61,7 +64,8 @@ def _tool_call(call: Any, name: str) -> pb.ToolCall:
         raise ApiError.invalid(f"{name}.id must be a non-empty string", param=f"{name}.id")
     if not isinstance(function, dict):
         raise ApiError.invalid(f"{name}.function must be an object with name and arguments", param=f"{name}.function")
-    refuse_unknown_keys(function, {"name", "arguments"}, f"{name}.function")
+    # parsed_arguments: the `openai` client's own parse of arguments, sent back with its message
+    refuse_unknown_keys(function, {"name", "arguments", "parsed_arguments"}, f"{name}.function")
     function_name, arguments = function.get("name"), function.get("arguments")
     if not isinstance(function_name, str) or not function_name:
         raise ApiError.invalid(f"{name}.function.name must be a non-empty string", param=f"{name}.function.name")

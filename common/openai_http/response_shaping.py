@@ -13,7 +13,7 @@ from http import HTTPStatus
 from common.openai_http.api_errors import ApiError
 from common.openai_http.logprob_shaping import CompletionLogprobs, chat_logprobs
 from common.openai_http.request_mapping import Endpoint, MappedRequest
-from common.openai_http.tool_output import ToolAnswer
+from common.openai_http.tool_output import DEFAULT_TOOL_CALL_PARSER, ToolAnswer
 from protos.duet.v1 import duet_pb2 as pb
 
 
@@ -54,14 +54,15 @@ class Choices:
 class ResponseShaper:
     """Builds the response objects of one request."""
 
-    def __init__(self, request: MappedRequest, model: str) -> None:
+    def __init__(self, request: MappedRequest, model: str, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> None:
         self.request = request
         self.chat = request.endpoint is Endpoint.CHAT
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request.request_id
         self.model = model
         self.created = int(time.time())
         self.choices = Choices(request.n)
-        self.tool_answers = [ToolAnswer(request.tools) for _ in range(request.n)] if request.tools else None
+        self.tool_answers = [ToolAnswer(request.tools, tool_call_parser)
+                                                 for _ in range(request.n)] if request.tools else None
 
     @property
     def echo_text(self) -> str:

@@ -26,6 +26,7 @@ from common.openai_http.api_errors import ApiError
 from common.openai_http.api_keys import ApiKeys
 from common.openai_http.request_mapping import Endpoint, MappedRequest, map_request
 from common.openai_http.response_shaping import ResponseShaper
+from common.openai_http.tool_output import DEFAULT_TOOL_CALL_PARSER
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
@@ -46,12 +47,14 @@ class ClientGone(Exception):
 class OpenAIFront:
     """Serves the OpenAI API for the model named `model_names` (a name, or a name and its
     aliases) by calling `stub.Generate`, over HTTPS with `ssl_context`, to requests that present
-    one of `api_keys`. The port is bound at construction (a taken port fails fast); `start`
+    one of `api_keys`, reading "auto" tool calls with `tool_call_parser`. The port is bound at construction (a taken port fails fast); `start`
     begins serving in a background thread."""
 
     def __init__(self, host: str, port: int, model_names: str | tuple[str, ...], stub: duet_pb2_grpc.DecodeNodeStub,
-                 ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys = ApiKeys()) -> None:
+                 ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys = ApiKeys(),
+                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> None:
         self.api_keys = api_keys
+        self.tool_call_parser = tool_call_parser
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
         self.stub = stub
@@ -203,7 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _respond(self, request: MappedRequest, call: grpc.Call) -> None:
         try:
-            body = ResponseShaper(request, self.front.model_name).response(self._watch(call))
+            body = ResponseShaper(request, self.front.model_name, self.front.tool_call_parser).response(self._watch(call))
         except ApiError as exc:
             self._send_error(exc)
             return
@@ -222,7 +225,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         try:
-            for event in ResponseShaper(request, self.front.model_name).stream(itertools.chain(first, chunks)):
+            for event in ResponseShaper(request, self.front.model_name, self.front.tool_call_parser).stream(itertools.chain(first, chunks)):
                 self._write_chunk(f"data: {json.dumps(event)}\n\n")
         except ApiError as exc:  # failed mid-stream: the status line is sent, so report it in-band
             self._write_chunk(f"data: {json.dumps(exc.body())}\n\n")

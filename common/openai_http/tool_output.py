@@ -2,7 +2,7 @@
 
 Forced calls (tools.py) parse by construction: a named function's output is its arguments,
 streamed as they come; "required" output is a JSON list of calls, sent once it is complete.
-Under "auto" the answer is read with the `hermes` parser (`<tool_call>{"name": ..., "arguments":
+Under "auto" the answer is read with the `--tool-call-parser`, `hermes` (the only one now) (`<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>` blocks, the last may lack its closing tag): text before the first block is the
 content, and an answer whose blocks do not all parse as calls of the request's tools (whose
 arguments validate, for `strict` tools) is plain content, whole. A streamed answer's text goes out
@@ -19,7 +19,6 @@ import jsonschema
 
 from common.openai_http.tools import ToolMode, ToolPlan
 
-TOOL_CALL_PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 
@@ -72,6 +71,11 @@ def _hermes_call(body: str, plan: ToolPlan) -> Call | None:
     return new_call(name, json.dumps(arguments))
 
 
+# --tool-call-parser: how an "auto" answer is read for calls.
+TOOL_CALL_PARSERS = {"hermes": parse_hermes}
+DEFAULT_TOOL_CALL_PARSER = "hermes"
+
+
 def parse_required(text: str) -> list[Call] | None:
     """A complete "required" answer (a JSON list of {name, arguments}) as calls."""
     try:
@@ -83,8 +87,9 @@ def parse_required(text: str) -> list[Call] | None:
 class ToolAnswer:
     """One choice's answer: its message when complete, or its stream's deltas."""
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, parser: str = DEFAULT_TOOL_CALL_PARSER) -> None:
         self.plan = plan
+        self._parse = TOOL_CALL_PARSERS[parser]
         self._text = ""  # generated so far and not yet sent as content
         self._named: Call | None = None  # NAMED, streamed: the call whose arguments are going out
 
@@ -132,7 +137,7 @@ class ToolAnswer:
         if self.plan.mode is ToolMode.REQUIRED:
             calls = parse_required(text) if finish_reason == "stop" else None
             return (None, calls) if calls else (text, [])
-        parsed = parse_hermes(text, self.plan)
+        parsed = self._parse(text, self.plan)
         return parsed if parsed is not None else (text, [])
 
     def _content(self, ready: str, keep: str) -> list[dict]:

@@ -9,7 +9,7 @@ Hermes format every tool-trained open model knows, which the front's `hermes` pa
   then TOOLS_INSTRUCTIONS;
 - an assistant's calls, after its content: one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
   block per call;
-- consecutive `tool` messages, as one user message of `<tool_response>\\n...\\n</tool_response>` blocks.
+- a `tool` message, as a message of role `tool` holding the result (without its call's id).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from common.errors import InvalidArgument
 from protos.duet.v1 import duet_pb2 as pb
 
 TOOLS_PREAMBLE = "You can call the following functions to help with the request."
-TOOLS_INSTRUCTIONS = ("To call a function, answer with one block per call and nothing else:\n"
+TOOLS_INSTRUCTIONS = ("To call a function, answer with one block per call:\n"
                       '<tool_call>\n{"name": "<function name>", "arguments": {<the arguments as JSON>}}\n</tool_call>\n'
-                      "Function results come back to you inside <tool_response></tool_response>.")
+                      "Once a message of the role tool has brought the result, answer the user with it.")
 
 
 def template_inputs(request: pb.GenerateRequest, takes_tools: bool) -> tuple[list[dict], list[dict] | None]:
@@ -58,20 +58,11 @@ def _native(message: pb.ChatMessage) -> dict:
 
 
 def _plain(messages) -> list[dict]:
-    out: list[dict] = []
+    out = []
     for m in messages:
-        if m.role == "tool":
-            block = f"<tool_response>\n{m.content}\n</tool_response>"
-            if out and out[-1].get("tool_results"):  # a turn's results together, as one user message
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "tool_results": True})
-            continue
         calls = [f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': _arguments(c)})}\n</tool_call>"
                  for c in m.tool_calls]
         out.append({"role": m.role, "content": "\n".join([m.content, *calls] if m.content else calls)})
-    for m in out:
-        m.pop("tool_results", None)
     return out
 
 
