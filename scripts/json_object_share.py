@@ -3,7 +3,8 @@ budget, and whether those answers parse: `python -m scripts.json_object_share [-
 
 Greedy chat requests over tests/reference.py's prompts (the reference prompts, and requests that
 ask for JSON in words). duet runs as one decode node on the embedded model; `--vllm` also runs
-`vllm serve` on the same weights (installed into .venv-peer by `make bench-peer`), `--url` asks
+`vllm serve` on the same weights (installed into .venv-peer on first use, as `make bench-peer`
+does), `--url` asks
 any other OpenAI-compatible server instead. A grammar that forbids JSON's whitespace makes the
 embedded model loop on one key until the budget runs out; the share that ends by `stop` shows it.
 """
@@ -74,7 +75,7 @@ def _report(system: str, answers: list[Answer]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.json_object_share", description=__doc__.split("\n\n")[0])
     peer = p.add_mutually_exclusive_group()
-    peer.add_argument("--vllm", action="store_true", help="also run vLLM (from .venv-peer) on the same weights")
+    peer.add_argument("--vllm", action="store_true", help="also run vLLM (.venv-peer, installed when missing) on the same weights")
     peer.add_argument("--url", help="also ask this OpenAI-compatible server (its first /v1/models name)")
     args = p.parse_args()
     model = served_model_name(default_model_path())
@@ -87,7 +88,8 @@ def main() -> int:
             _report(args.url, json_object_answers(client, client.models.list().data[0].id))
         elif args.vllm:
             from scripts.export_hf_model import export_hf_model
-            from scripts.peer_vllm import vllm_server
+            from scripts.peer_vllm import ensure_installed, vllm_server
+            ensure_installed()
             model_dir = export_hf_model(Path(tmp) / model)
             with vllm_server(model_dir, Path(tmp) / "vllm.log") as url:
                 _report("vllm", json_object_answers(_client(url), model))

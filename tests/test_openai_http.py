@@ -106,7 +106,7 @@ def test_request_mapping():
     (Endpoint.CHAT, {"messages": []}, "messages"),
     (Endpoint.CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
     (Endpoint.CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
 ])
 def test_request_mapping_refusals(endpoint, body, param):
     with pytest.raises(ApiError) as refused:

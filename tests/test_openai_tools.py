@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import agents
 import jsonschema
 import openai
 import pytest
@@ -263,3 +264,38 @@ def test_forced_calls_validate_over_the_reference_prompts(keyed, model_name):
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
         if isinstance(choice, dict):
             assert [c.function.name for c in answer.message.tool_calls] == ["add_person"]
+
+
+def test_an_openai_agents_sdk_agent_completes_a_one_tool_task(keyed, model_name):
+    """The OpenAI Agents SDK's Runner, on its Chat Completions model, against the decode node:
+    the first turn must call the tool (the SDK then resets tool_choice), the next answers."""
+    _, _, node, _ = keyed
+    agents.set_tracing_disabled(True)
+    asked = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        asked.append(city)
+        return json.dumps({"temperature": 18, "sky": "sunny"})
+
+    client = openai.AsyncOpenAI(base_url=f"{node.url}/v1", api_key=KEYS[1], max_retries=0, timeout=120)
+    agent = agents.Agent(name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
+                         model=agents.OpenAIChatCompletionsModel(model=model_name, openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=100))
+    result = agents.Runner.run_sync(agent, ASK[0]["content"], max_turns=3)
+    assert asked and asked[0]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+def test_a_grpc_client_forces_a_call_with_guided_json_schema(keyed):
+    """README "Over gRPC": the tools go in the prompt, the arguments' schema in guided."""
+    dn, _, _, _ = keyed
+    request = pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content=ASK[0]["content"])],
+        tools=[pb.FunctionTool(name="get_weather", description="The weather in a city now.",
+                               parameters=json.dumps(WEATHER))],
+        sampling=pb.SamplingParams(max_tokens=100, guided=pb.GuidedDecoding(json_schema=json.dumps(WEATHER))))
+    chunks = list(dn.stub.Generate(request, timeout=120))
+    assert chunks[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), WEATHER)

@@ -71,7 +71,7 @@ def _tool_call(call: Any, name: str) -> pb.ToolCall:
         raise ApiError.invalid(f"{name}.function.name must be a non-empty string", param=f"{name}.function.name")
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
     if not isinstance(parsed, dict):
         raise ApiError.invalid(f"{name}.function.arguments must be a JSON object as a string",

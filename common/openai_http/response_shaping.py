@@ -145,13 +145,11 @@ class ResponseShaper:
             last, reason = answer.finish(chunk.finish_reason)
             deltas += last
         logprobs = {"logprobs": chat_logprobs(chunk.logprobs)} if self.request.logprobs else {}
-        if logprobs and not deltas:
+        if (logprobs or reason) and not deltas:
             deltas = [{}]
         for i, delta in enumerate(deltas):
             yield self._stream_chunk(chunk.index, {"delta": delta, **(logprobs if i == 0 else {})},
                                      reason if i == len(deltas) - 1 else None)
-        if reason and not deltas:
-            yield self._stream_chunk(chunk.index, {"delta": {}}, reason)
 
     @property
     def _stream_object(self) -> str:

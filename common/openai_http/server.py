@@ -286,7 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
 def _parse_json(body: bytes):
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep to parse
         raise ApiError.invalid(f"the body is not valid JSON: {exc}") from None
 
 

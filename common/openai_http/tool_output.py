@@ -66,7 +66,7 @@ def _hermes_call(body: str, plan: ToolPlan) -> Call | None:
     if name in plan.strict:
         try:
             jsonschema.validate(arguments, plan.parameters[name])
-        except jsonschema.ValidationError:
+        except (jsonschema.ValidationError, jsonschema.SchemaError):
             return None
     return new_call(name, json.dumps(arguments))
 
@@ -117,15 +117,15 @@ class ToolAnswer:
         start = self._text.find(OPEN)
         if start >= 0:  # from the first block on, held until the end
             return self._content(self._text[:start], keep=self._text[start:])
-        held = next((k for k in range(min(len(OPEN), len(self._text)), 0, -1) if OPEN.startswith(self._text[-k:])), 0)
-        return self._content(self._text[:len(self._text) - held], keep=self._text[len(self._text) - held:])
+        cut = len(self._text) - _open_tag_started(self._text)
+        return self._content(self._text[:cut], keep=self._text[cut:])
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         """The last deltas once the answer is complete, and its finish reason."""
         if self.plan.mode is ToolMode.NAMED:
             return self.feed("") if self._named is None else [], _reason([self._named], finish_reason)
         held, self._text = self._text, ""
-        content, calls = self._calls(held, finish_reason)
+        _, calls = self._calls(held, finish_reason)  # the content before any call went out already
         deltas = [{"tool_calls": [{"index": i, **c.entry()} for i, c in enumerate(calls)]}] if calls else []
         if not calls and held:
             deltas.insert(0, {"content": held})
@@ -147,6 +147,11 @@ class ToolAnswer:
             return []
         self._text = keep
         return [{"content": ready}]
+
+
+def _open_tag_started(text: str) -> int:
+    """How many characters at the end of `text` could be the start of a `<tool_call>` tag."""
+    return next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
 
 
 def _reason(calls: list[Call], finish_reason: str | None) -> str | None:

@@ -76,5 +76,5 @@ def _arguments(call: pb.ToolCall) -> dict:
 def _json(text: str, name: str):
     try:
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python parses
         raise InvalidArgument(f"{name} are not valid JSON: {exc}") from None
