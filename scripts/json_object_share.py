@@ -58,8 +58,9 @@ def json_object_answers(client: openai.OpenAI, model: str, prompts: list[str] = 
 
 def summary(answers: list[Answer]) -> str:
     stopped = [a for a in answers if a.finish_reason == "stop"]
+    parsing = sum(a.parses for a in stopped)
     return (f"{len(stopped)}/{len(answers)} end by stop within {MAX_TOKENS} tokens "
-            f"({100 * len(stopped) / len(answers):.0f}%), {sum(a.parses for a in stopped)}/{len(stopped)} of those parse")
+            f"({100 * len(stopped) / len(answers):.0f}%), {parsing}/{len(stopped)} of those parse")
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -75,7 +76,8 @@ def _report(system: str, answers: list[Answer]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.json_object_share", description=__doc__.split("\n\n")[0])
     peer = p.add_mutually_exclusive_group()
-    peer.add_argument("--vllm", action="store_true", help="also run vLLM (.venv-peer, installed when missing) on the same weights")
+    peer.add_argument("--vllm", action="store_true",
+                      help="also run vLLM (.venv-peer, installed when missing) on the same weights")
     peer.add_argument("--url", help="also ask this OpenAI-compatible server (its first /v1/models name)")
     args = p.parse_args()
     model = served_model_name(default_model_path())

@@ -47,8 +47,8 @@ class ClientGone(Exception):
 class OpenAIFront:
     """Serves the OpenAI API for the model named `model_names` (a name, or a name and its
     aliases) by calling `stub.Generate`, over HTTPS with `ssl_context`, to requests that present
-    one of `api_keys`, reading "auto" tool calls with `tool_call_parser`. The port is bound at construction (a taken port fails fast); `start`
-    begins serving in a background thread."""
+    one of `api_keys`, reading "auto" tool calls with `tool_call_parser`. The port is bound at
+    construction (a taken port fails fast); `start` begins serving in a background thread."""
 
     def __init__(self, host: str, port: int, model_names: str | tuple[str, ...], stub: duet_pb2_grpc.DecodeNodeStub,
                  ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys = ApiKeys(),
@@ -206,7 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _respond(self, request: MappedRequest, call: grpc.Call) -> None:
         try:
-            body = ResponseShaper(request, self.front.model_name, self.front.tool_call_parser).response(self._watch(call))
+            shaper = ResponseShaper(request, self.front.model_name, self.front.tool_call_parser)
+            body = shaper.response(self._watch(call))
         except ApiError as exc:
             self._send_error(exc)
             return
@@ -225,7 +226,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         try:
-            for event in ResponseShaper(request, self.front.model_name, self.front.tool_call_parser).stream(itertools.chain(first, chunks)):
+            shaper = ResponseShaper(request, self.front.model_name, self.front.tool_call_parser)
+            for event in shaper.stream(itertools.chain(first, chunks)):
                 self._write_chunk(f"data: {json.dumps(event)}\n\n")
         except ApiError as exc:  # failed mid-stream: the status line is sent, so report it in-band
             self._write_chunk(f"data: {json.dumps(exc.body())}\n\n")

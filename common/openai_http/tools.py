@@ -78,8 +78,8 @@ def tool_plan(body: dict) -> tuple[ToolPlan | None, list[pb.FunctionTool]]:
         raise ApiError.invalid(f"tool_choice names the function '{forced}', which is not among tools",
                                param="tool_choice.function.name")
     if mode is not ToolMode.AUTO and body.get("response_format") not in (None, {"type": "text"}):
-        raise ApiError.invalid("response_format cannot be combined with a forced tool call (tool_choice "
-                               "'required' or a named function): the call's schema is the format", param="response_format")
+        raise ApiError.invalid("response_format cannot be combined with a forced tool call (tool_choice 'required' "
+                               "or a named function): the call's schema is the format", param="response_format")
     plan = ToolPlan(mode, parameters, strict, parallel is not False, forced)
     if mode is ToolMode.REQUIRED:
         _check_schema(_calls_schema(parameters, plan.parallel), "tools")
@@ -105,10 +105,12 @@ def _tools(tools: Any) -> tuple[list[pb.FunctionTool], frozenset[str]]:
             raise ApiError.invalid(f"{name}.function.name must be 1 to 64 letters, digits, '_' or '-'",
                                    param=f"{name}.function.name")
         if any(t.name == function_name for t in out):
-            raise ApiError.invalid(f"{name}.function.name '{function_name}' is given twice", param=f"{name}.function.name")
+            raise ApiError.invalid(f"{name}.function.name '{function_name}' is given twice",
+                                   param=f"{name}.function.name")
         description = function.get("description") or ""
         if not isinstance(description, str):
-            raise ApiError.invalid(f"{name}.function.description must be a string", param=f"{name}.function.description")
+            raise ApiError.invalid(f"{name}.function.description must be a string",
+                                   param=f"{name}.function.description")
         parameters = function.get("parameters") or _ANY_OBJECT
         if not isinstance(parameters, dict):
             raise ApiError.invalid(f"{name}.function.parameters must be a JSON Schema object",
