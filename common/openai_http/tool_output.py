@@ -4,9 +4,10 @@ Forced calls (tools.py) parse by construction: a named function's output is its 
 streamed as they come; "required" output is a JSON list of calls, sent once it is complete.
 Under "auto" the answer is read with the `--tool-call-parser`, `hermes` (the only one now):
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the last may lack its closing
-tag. Text before the first block is the content, and an answer whose blocks do not all parse as calls of the request's tools (whose
-arguments validate, for `strict` tools) is plain content, whole. A streamed answer's text goes out
-as content until a block may be starting, then is held until the answer ends.
+tag. Text before the first block is the content, and an answer whose blocks do not all parse as
+calls of the request's tools (whose arguments validate, for `strict` tools) is plain content,
+whole. A streamed answer's text goes out as content until a block may be starting, then is held
+until the answer ends.
 """
 from __future__ import annotations
 
