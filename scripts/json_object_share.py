@@ -2,11 +2,11 @@
 budget, and whether those answers parse: `python -m scripts.json_object_share [--vllm | --url URL]`.
 
 Greedy chat requests over tests/reference.py's prompts (the reference prompts, and requests that
-ask for JSON in words). duet runs as one decode node on the embedded model; `--vllm` also runs
-`vllm serve` on the same weights (installed into .venv-peer on first use, as `make bench-peer`
-does), `--url` asks
-any other OpenAI-compatible server instead. A grammar that forbids JSON's whitespace makes the
-embedded model loop on one key until the budget runs out; the share that ends by `stop` shows it.
+ask for JSON in words). duet runs as one decode node on the embedded model, in float32 as vLLM
+does; `--vllm` also runs `vllm serve` on the same weights (installed into .venv-peer on first
+use, as `make bench-peer` does), `--url` asks any other OpenAI-compatible server instead. A
+grammar that forbids JSON's whitespace makes the embedded model loop on one key until the budget
+runs out; the share that ends by `stop` shows it.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import openai
 from common.model.default_model import default_model_path
 from common.openai_http import served_model_name
 from scripts.local_daemons import decode_node, free_port
-from tests.reference import JSON_PROMPTS, REFERENCE_PROMPTS
+from tests.reference import FP32, JSON_PROMPTS, REFERENCE_PROMPTS
 
 MAX_TOKENS = 96
 PROMPTS = REFERENCE_PROMPTS + JSON_PROMPTS
@@ -83,7 +83,7 @@ def main() -> int:
     model = served_model_name(default_model_path())
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        with decode_node(Path(tmp), "--transport", "tcp", "--openai-port", str(port)):
+        with decode_node(Path(tmp), *FP32, "--transport", "tcp", "--openai-port", str(port)):  # as vLLM runs
             _report("duet", json_object_answers(_client(f"http://127.0.0.1:{port}"), model))
         if args.url:
             client = _client(args.url)
