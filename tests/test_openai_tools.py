@@ -20,7 +20,9 @@ from common.openai_http.request_mapping import Endpoint, map_request
 from common.openai_http.tool_output import ToolAnswer, parse_hermes
 from common.openai_http.tools import ToolMode, tool_plan
 from common.serving.prompts import prompt_token_ids
+from decode_node.config import parse_args as decode_node_args
 from protos.duet.v1 import duet_pb2 as pb
+from router.__main__ import parse_args as router_args
 from scripts.local_daemons import decode_node, free_port, prefill_node, router
 from tests.reference import JSON_PROMPTS, REFERENCE_PROMPTS
 from tests.test_openai_http import DAEMON_FLAGS, Front, model_name  # noqa: F401 (the fixture)
@@ -172,6 +174,11 @@ def test_api_keys_compare_in_constant_time_and_stay_secret():
     assert keys.admits("Bearer k1") and keys.admits("bearer k2") and not keys.admits("Bearer k3")
     assert not keys.admits(None) and not keys.admits("k1") and not keys.admits("Basic k1")
     assert "k1" not in repr(keys) and ApiKeys().admits(None) and not ApiKeys().required
+    config = decode_node_args(["--openai-port", "0", "--api-key", "k1", "--api-key", "k3"])
+    assert config.api_key == ("k1", "k3") and "k1" not in repr(config)
+    for parse in (decode_node_args, router_args):  # a key guards the HTTP API only
+        with pytest.raises(SystemExit):
+            parse(["--api-key", "k1"])
 
 
 @pytest.fixture(scope="module")
