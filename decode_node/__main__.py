@@ -19,7 +19,8 @@ def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
                                                           attention_sinks=config.attention_sinks, dtype_flag=config.dtype))
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node), daemon.server)
     if config.openai_port is not None:
-        attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model)
+        attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model,
+                            config.api_key, config.tool_call_parser)
     return node
 
 

@@ -1,7 +1,7 @@
 """Decode node settings and their command-line flags."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.engine.speculative import METHODS, SpeculativeConfig
 from common.openai_http import add_openai_args
@@ -32,6 +32,8 @@ class DecodeNodeConfig(DaemonConfig):
     max_step_ms: float = 100.0
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
     served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
+    api_key: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys the HTTP API requires; () = none
+    tool_call_parser: str = "hermes"  # how the HTTP API reads tool calls out of tool_choice "auto" answers
     speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (common/engine/speculative.py)
     num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
     ngram_min: int = SpeculativeConfig.ngram_min
@@ -72,6 +74,8 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--max-step-ms must be >= 0")
         if self.openai_port is not None and not 0 <= self.openai_port < 65536:
             raise ValueError("--openai-port must be in [0, 65535]")
+        if self.api_key and self.openai_port is None:
+            raise ValueError("--api-key guards the HTTP API: give --openai-port too")
         _ = self.speculative_config  # raises ValueError on a bad --speculative flag
 
 

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_openai_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
+    if args.api_key and args.openai_port is None:
+        p.error("--api-key guards the HTTP API: give --openai-port too")
     args.tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
     try:
         args.tls.validate()
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill, args.min_remote_prefill_tokens)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
     if args.openai_port is not None:
-        attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model)
+        attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model,
+                            args.api_key, args.tool_call_parser)
     stop = threading.Event()
     if args.members is not None:
         threading.Thread(target=watch_members, args=(args.members, decode, prefill, stop, args.poll_seconds),

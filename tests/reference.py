@@ -10,6 +10,21 @@ from common.model.model import LlamaModel
 # default, --dtype auto, is bfloat16 on CPUs with AVX512-BF16 or AMX).
 FP32 = ("--dtype", "float32")
 
+# Prompts the engine is checked on against transformers (tests/test_model_vs_transformers.py),
+# also asked for JSON and tool calls (tests/test_openai_tools.py, scripts/json_object_share.py).
+REFERENCE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a land far away, there lived a dragon who loved 42 kinds of tea.",
+]
+# Requests that ask for JSON in words, as users do.
+JSON_PROMPTS = [
+    "Give a person as JSON.",
+    "Describe a book as a JSON object.",
+    "List three fruits and their colours as JSON.",
+    "Give the weather in Paris today as JSON.",
+]
+
 
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:

@@ -318,8 +318,12 @@ def test_start_generation_leaves_nothing_behind(nodes):
     still_serving(nodes)
 
 
+json_text = st.one_of(text, st.just("{}"), st.just('{"city": "Paris"}'), st.just("[" * 100_000), st.just("5"))
+tool_calls = st.lists(st.builds(pb.ToolCall, id=text, name=text, arguments=json_text), max_size=2)
 messages = st.lists(st.builds(pb.ChatMessage, role=st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]),
-                                                             text), content=text), max_size=3)
+                                                             text), content=text, tool_calls=tool_calls,
+                              tool_call_id=text), max_size=3)
+tools = st.lists(st.builds(pb.FunctionTool, name=text, description=text, parameters=json_text), max_size=2)
 
 
 @FUZZ
@@ -336,6 +340,7 @@ def test_generate(nodes, data, sampling):
                                        st.lists(st.sampled_from(list(inputs)), unique=True, max_size=3)), label="inputs")
     for name in given_inputs:
         kwargs[name] = data.draw(inputs[name], label=name)
+    kwargs["tools"] = data.draw(tools, label="tools")
     started = None
     try:
         code, chunks = stream_status(nodes.d.Generate(pb.GenerateRequest(sampling=sampling, **kwargs),

@@ -6,13 +6,8 @@ import torch
 
 from common.model.checkpoint import load_checkpoint
 from common.model.model import ForwardBatch, LlamaModel, SequenceSlice, grouped_query_attention
+from tests.reference import REFERENCE_PROMPTS as PROMPTS
 from tests.reference import engine_greedy, hf_greedy
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Once upon a time, in a land far away, there lived a dragon who loved 42 kinds of tea.",
-]
 
 
 def full_logits(model: LlamaModel, ids: list[int], scatter: bool = True) -> torch.Tensor:

@@ -34,10 +34,11 @@ MAX_TOKENS = 10
 class Front:
     """A daemon's HTTP front: its base URL and an `openai` client for it."""
 
-    def __init__(self, port: int, scheme: str = "http", ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, port: int, scheme: str = "http", ssl_context: ssl.SSLContext | None = None,
+                 api_key: str = "x") -> None:
         self.url = f"{scheme}://127.0.0.1:{port}"
         http_client = openai.DefaultHttpxClient(verify=ssl_context) if ssl_context is not None else None
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120,
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120,
                                     http_client=http_client)
 
 
@@ -105,7 +106,7 @@ def test_request_mapping():
     (Endpoint.CHAT, {"messages": []}, "messages"),
     (Endpoint.CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
     (Endpoint.CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
 ])
 def test_request_mapping_refusals(endpoint, body, param):
     with pytest.raises(ApiError) as refused:

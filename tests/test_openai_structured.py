@@ -13,8 +13,10 @@ import torch
 
 from common.openai_http.logprob_shaping import token_text
 from protos.duet.v1 import duet_pb2 as pb
+from common.engine.guided import MAX_JSON_INDENT, GrammarCompiler
+from scripts.json_object_share import MAX_TOKENS, json_object_answers
 from scripts.local_daemons import decode_node, free_port, prefill_node
-from tests.reference import hf_greedy
+from tests.reference import JSON_PROMPTS, hf_greedy
 from tests.test_openai_http import DAEMON_FLAGS, MESSAGES, Front
 
 NAMES = ("duet-smol", "smol-alias")
@@ -160,9 +162,42 @@ def test_json_schema_outputs_parse_and_validate(pair):
                                         extra_body={"response_format": json_object})
     chat = front.client.chat.completions.create(model=NAMES[0], messages=[{"role": "user", "content": ask}],
                                                 max_tokens=100, temperature=0, response_format=json_object)
-    for text, reason in ((r.choices[0].text, r.choices[0].finish_reason),
-                         (chat.choices[0].message.content, chat.choices[0].finish_reason)):
-        assert reason == "stop" and isinstance(json.loads(text), dict)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text), dict)
+    # In chat the model writes a longer, indented object (street, city, ...): JSON up to max_tokens.
+    text = chat.choices[0].message.content
+    assert text.startswith("{\n") and (chat.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+
+
+def test_json_object_has_whitespace_and_ends(pair):
+    """JSON's whitespace, bounded, keeps the embedded model on what it learned: "Give a person as
+    JSON." answers pretty-printed keys and values instead of one key nested until max_tokens
+    (`{"name":{"description":{"description":...`). Over the reference prompts and requests for
+    JSON, every answer that ends by stop parses (scripts/json_object_share.py reports the share)."""
+    _, _, front = pair
+    person = front.client.chat.completions.create(
+        model=NAMES[0], messages=[{"role": "user", "content": JSON_PROMPTS[0]}], temperature=0, max_tokens=60,
+        response_format={"type": "json_object"}).choices[0].message.content
+    keys = re.findall(r'"(\w+)":', person)
+    assert person.startswith("{\n") and len(keys) >= 4 and len(set(keys)) == len(keys), person
+    answers = json_object_answers(front.client, NAMES[0], max_tokens=MAX_TOKENS)
+    stopped = [a for a in answers if a.finish_reason == "stop"]
+    assert stopped and all(a.parses for a in stopped), answers
+
+
+@pytest.mark.parametrize("text, allowed", [
+    ('{"a":1}', True), ('{\n  "a": [1,\n    2]\n}', True), ("{\r\n\t\"a\" :\t1 }", True),
+    ('{\n\n"a": 1}', False), ("{" + " " * (MAX_JSON_INDENT + 1) + '"a": 1}', False), (' {"a": 1}', False)])
+def test_json_whitespace_is_bounded(tokenizer, text, allowed):
+    """Wherever JSON allows whitespace: one line break at most, then MAX_JSON_INDENT blanks at most."""
+    grammar = GrammarCompiler(tokenizer, tokenizer.vocab_size).compile(pb.GuidedDecoding(json_object=True))
+    matcher = grammar.matcher()
+    try:
+        for token in [*tokenizer.encode(text), tokenizer.eos_token_id]:
+            matcher.accept(token)
+    except RuntimeError:
+        assert not allowed
+    else:
+        assert allowed
 
 
 def test_grpc_guided_regex_and_choice(pair):

@@ -23,8 +23,14 @@ from common.model.tokenizer import Tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 
 MAX_GRAMMAR_CHARS = 100_000
-# JSON without optional whitespace: a small model never wanders off into endless blanks.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# JSON with the whitespace models learned (newlines and indentation), bounded: wherever JSON
+# allows whitespace the grammar admits at most one line break followed by at most
+# MAX_JSON_INDENT spaces or tabs (llguidance matches `whitespace_pattern` at most once per place),
+# so a model can neither pad with blank lines nor with endless blanks. Without whitespace at all a
+# small model is pushed off what it learned and loops (`{"name":{"description":{...`).
+MAX_JSON_INDENT = 16
+JSON_WHITESPACE = rf"(\x0D?\x0A)?[\x20\x09]{{0,{MAX_JSON_INDENT}}}"
+_JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,12 +88,15 @@ class GrammarCompiler:
         if kind is None:
             return None
         if kind == "json_schema":
-            source = llguidance.LLMatcher.grammar_from_json_schema(_json_schema(spec.json_schema),
-                                                                   defaults=_JSON_OPTIONS)
+            schema = _json_schema(spec.json_schema)
+            try:
+                source = json_schema_grammar(schema)
+            except ValueError as exc:
+                raise ValueError(f"guided.json_schema is not a usable grammar: {exc}") from None
         elif kind == "json_object":
             if not spec.json_object:
                 raise ValueError("guided.json_object must be true when set")
-            source = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+            source = json_schema_grammar({"type": "object"})
         elif kind == "regex":
             _check_size(spec.regex, "guided.regex")
             source = llguidance.LLMatcher.grammar_from_regex(spec.regex)
@@ -101,6 +110,16 @@ class GrammarCompiler:
         if is_error:
             raise ValueError(f"guided.{kind} is not a usable grammar: {messages[0]}")
         return Grammar(source, self._lltokenizer, kind)
+
+
+def json_schema_grammar(schema: dict) -> str:
+    """The llguidance grammar of a JSON Schema, with the bounded whitespace above (a schema's own
+    top-level `x-guidance` settings take precedence); ValueError says why llguidance cannot use it."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(messages[0])
+    return grammar
 
 
 def _check_size(text: str, name: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import gguf
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -163,14 +164,25 @@ class Tokenizer:
                 table.append(self.decode([token_id]).encode())
         return table
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation to prompt text, as transformers' `apply_chat_template(tokenize=False)` does."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render a conversation to prompt text, as transformers' `apply_chat_template(tokenize=False)`
+        does; `tools` (OpenAI's function tools) reach templates that take them (`takes_tools`)."""
+        extra = {} if tools is None else {"tools": tools}
         return self._compiled_chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id),
+            **extra,
         )
+
+    @cached_property
+    def takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (renders function definitions itself)."""
+        if not self.chat_template:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(_chat_template_environment().parse(self.chat_template))
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.id_to_token(token_id) or ""

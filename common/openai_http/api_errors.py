@@ -17,6 +17,7 @@ HTTP_STATUS_OF = {
 # The `type` field OpenAI's own API uses for each class of failure.
 _ERROR_TYPE_OF = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "invalid_request_error",
     HTTPStatus.NOT_FOUND: "invalid_request_error",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
@@ -46,3 +47,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = _ERROR_TYPE_OF.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+def refuse_unknown_keys(value: dict, keys: set[str], name: str) -> None:
+    """A 400 naming the first key of the object `name` that is not among `keys`."""
+    for key in value:
+        if key not in keys:
+            raise ApiError.invalid(f"{name}.{key} is not supported by this server", param=f"{name}.{key}")

@@ -16,6 +16,8 @@ from typing import Any
 
 from common.engine.sampling import MAX_N, MAX_TOP_LOGPROBS
 from common.openai_http.api_errors import ApiError
+from common.openai_http.chat_messages import chat_messages
+from common.openai_http.tools import ToolPlan, tool_plan
 from protos.duet.v1 import duet_pb2 as pb
 
 # OpenAI's defaults where they differ from SamplingParams' own.
@@ -47,7 +49,7 @@ _COMPLETION_ONLY: dict[str, Any] = {"prompt": HONOURED, "echo": HONOURED, "best_
 _CHAT_ONLY: dict[str, Any] = {
     "messages": HONOURED, "max_completion_tokens": HONOURED, "top_logprobs": HONOURED,
     "safety_identifier": _ANY_TEXT, "prompt_cache_key": _ANY_TEXT,  # the prefix cache needs no hint
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
     "functions": (None, []), "function_call": (None, "none"), "audio": _NOTHING, "modalities": (None, ["text"]),
     "prediction": _NOTHING, "reasoning_effort": _NOTHING, "verbosity": _NOTHING, "web_search_options": _NOTHING,
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
@@ -68,6 +70,7 @@ class MappedRequest:
     include_usage: bool
     logprobs: bool = False  # the answer carries the generated tokens' logprobs
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, with logprobs)
+    tools: ToolPlan | None = None  # chat with tools: how the answer's calls are generated and read
 
     @property
     def request_id(self) -> str:
@@ -97,18 +100,24 @@ def map_request(endpoint: Endpoint, body: Any, served_models: str | tuple[str, .
         raise ApiError.invalid("stream_options is only allowed when stream is true", param="stream_options")
     include_usage = _get(stream_options or {}, "include_usage", bool, False, name="stream_options.include_usage")
     request = pb.GenerateRequest(request_id=uuid.uuid4().hex)
+    plan = None
     if chat:
-        request.messages.extend(_chat_messages(body))
+        request.messages.extend(chat_messages(body))
+        plan, tools = tool_plan(body)
+        request.tools.extend(tools)
     else:
         _set_prompt(request, body)
     try:
         request.sampling.CopyFrom(_sampling(body, chat, n))
     except (ValueError, TypeError) as exc:  # a number outside the protobuf field's range
         raise ApiError.invalid(f"a sampling value is out of range: {exc}") from None
+    forced = plan.guided() if plan is not None else None
+    if forced is not None:
+        request.sampling.guided.CopyFrom(forced)
     echo = not chat and _get(body, "echo", bool, False)
     if echo and (request.sampling.logprobs or request.token_ids):  # the prompt's tokens (and text) come from the node
         request.sampling.prompt_logprobs = request.sampling.top_logprobs
-    return MappedRequest(endpoint, request, n, stream, include_usage, request.sampling.logprobs, echo)
+    return MappedRequest(endpoint, request, n, stream, include_usage, request.sampling.logprobs, echo, plan)
 
 
 def _sampling(body: dict, chat: bool, n: int) -> pb.SamplingParams:
@@ -195,34 +204,6 @@ def _set_prompt(request: pb.GenerateRequest, body: dict) -> None:
     else:
         raise ApiError.invalid("prompt must be a non-empty string or a non-empty list of token ids",
                                param="prompt")
-
-
-def _chat_messages(body: dict) -> list[pb.ChatMessage]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError.invalid("messages must be a non-empty list of {role, content} objects", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        name = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise ApiError.invalid(f"{name} must be an object with role and content", param=name)
-        role = _get(message, "role", str, name=f"{name}.role")
-        if not role:
-            raise ApiError.invalid(f"{name}.role is missing", param=f"{name}.role")
-        out.append(pb.ChatMessage(role=role, content=_message_text(message.get("content"), f"{name}.content")))
-    return out
-
-
-def _message_text(content: Any, name: str) -> str:
-    """A message's content: a string, null, or a list of text parts (joined)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-    raise ApiError.invalid(f"{name} must be a string or a list of text parts (other part types are not "
-                           "supported)", param=name)
 
 
 def _stop_strings(body: dict) -> list[str]:

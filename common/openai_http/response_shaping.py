@@ -13,6 +13,7 @@ from http import HTTPStatus
 from common.openai_http.api_errors import ApiError
 from common.openai_http.logprob_shaping import CompletionLogprobs, chat_logprobs
 from common.openai_http.request_mapping import Endpoint, MappedRequest
+from common.openai_http.tool_output import DEFAULT_TOOL_CALL_PARSER, ToolAnswer
 from protos.duet.v1 import duet_pb2 as pb
 
 
@@ -53,13 +54,15 @@ class Choices:
 class ResponseShaper:
     """Builds the response objects of one request."""
 
-    def __init__(self, request: MappedRequest, model: str) -> None:
+    def __init__(self, request: MappedRequest, model: str, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> None:
         self.request = request
         self.chat = request.endpoint is Endpoint.CHAT
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request.request_id
         self.model = model
         self.created = int(time.time())
         self.choices = Choices(request.n)
+        self.tool_answers = [ToolAnswer(request.tools, tool_call_parser)
+                                                 for _ in range(request.n)] if request.tools else None
 
     @property
     def echo_text(self) -> str:
@@ -85,8 +88,12 @@ class ResponseShaper:
         text = self.choices.text(index)
         choice: dict = {"index": index}
         logprobs = None
-        if self.chat:
+        finish_reason = self.choices.finish_reasons[index]
+        if self.tool_answers is not None:
+            choice["message"], finish_reason = self.tool_answers[index].message(text, finish_reason)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+        if self.chat:
             if self.request.logprobs:
                 logprobs = chat_logprobs(self.choices.logprobs[index])
         else:
@@ -94,7 +101,7 @@ class ResponseShaper:
             if self.request.logprobs:
                 echoed = self.choices.prompt_logprobs if self.request.echo else []
                 logprobs = CompletionLogprobs().shape([*echoed, *self.choices.logprobs[index]])
-        choice.update(logprobs=logprobs, finish_reason=self.choices.finish_reasons[index])
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return choice
 
     def stream(self, chunks: Iterable[pb.GenerationChunk]) -> Iterator[dict]:
@@ -111,7 +118,9 @@ class ResponseShaper:
                     if self.request.logprobs:
                         echoed["logprobs"] = shapers[i].shape(self.choices.prompt_logprobs)
                     yield self._stream_chunk(i, echoed, None)
-            if chunk.text or chunk.finish_reason or chunk.logprobs:
+            if self.tool_answers is not None:
+                yield from self._tool_events(chunk)
+            elif chunk.text or chunk.finish_reason or chunk.logprobs:
                 if self.chat:
                     choice = {"delta": {"content": chunk.text} if chunk.text else {}}
                     if self.request.logprobs:
@@ -125,6 +134,22 @@ class ResponseShaper:
             body = self._envelope(self._stream_object, [])
             body["usage"] = self.choices.usage()
             yield body
+
+    def _tool_events(self, chunk: pb.GenerationChunk) -> Iterator[dict]:
+        """A chunk of an answer with tools: its text through the choice's ToolAnswer, which sends
+        content, or tool-call deltas, as soon as it can tell which they are."""
+        answer = self.tool_answers[chunk.index]
+        deltas = answer.feed(chunk.text)
+        reason = None
+        if chunk.finish_reason:
+            last, reason = answer.finish(chunk.finish_reason)
+            deltas += last
+        logprobs = {"logprobs": chat_logprobs(chunk.logprobs)} if self.request.logprobs else {}
+        if (logprobs or reason) and not deltas:
+            deltas = [{}]
+        for i, delta in enumerate(deltas):
+            yield self._stream_chunk(chunk.index, {"delta": delta, **(logprobs if i == 0 else {})},
+                                     reason if i == len(deltas) - 1 else None)
 
     @property
     def _stream_object(self) -> str:

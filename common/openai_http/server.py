@@ -23,8 +23,10 @@ from urllib.parse import urlsplit
 import grpc
 
 from common.openai_http.api_errors import ApiError
+from common.openai_http.api_keys import ApiKeys
 from common.openai_http.request_mapping import Endpoint, MappedRequest, map_request
 from common.openai_http.response_shaping import ResponseShaper
+from common.openai_http.tool_output import DEFAULT_TOOL_CALL_PARSER
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
@@ -44,11 +46,15 @@ class ClientGone(Exception):
 
 class OpenAIFront:
     """Serves the OpenAI API for the model named `model_names` (a name, or a name and its
-    aliases) by calling `stub.Generate`, over HTTPS with `ssl_context`. The port is bound at
+    aliases) by calling `stub.Generate`, over HTTPS with `ssl_context`, to requests that present
+    one of `api_keys`, reading "auto" tool calls with `tool_call_parser`. The port is bound at
     construction (a taken port fails fast); `start` begins serving in a background thread."""
 
     def __init__(self, host: str, port: int, model_names: str | tuple[str, ...], stub: duet_pb2_grpc.DecodeNodeStub,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys = ApiKeys(),
+                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> None:
+        self.api_keys = api_keys
+        self.tool_call_parser = tool_call_parser
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
         self.stub = stub
@@ -65,7 +71,8 @@ class OpenAIFront:
     def start(self) -> None:
         self._thread.start()
         log.info("openai http serving", extra={"fields": {"openai_port": self.port, "model": self.model_name,
-                                                          "https": self._http.ssl_context is not None}})
+                                                          "https": self._http.ssl_context is not None,
+                                                          "api_key_required": self.api_keys.required}})
 
     def stop(self) -> None:
         """Stop accepting requests; calls already in flight finish with the gRPC drain."""
@@ -141,6 +148,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path.rstrip("/")
+        if not self._authorized(path):
+            return
         if path == "/v1/models":
             self._send_json(HTTPStatus.OK, self.front.models())
         elif path.startswith("/v1/models/") and path[len("/v1/models/"):] in self.front.model_names:
@@ -155,11 +164,13 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path.rstrip("/")
         endpoint = _ROUTES.get(path)
         try:
-            body = self._read_json()  # also for an unknown route: the connection stays clean for the next request
+            body = self._read_body()  # also for an unknown route: the connection stays clean for the next request
+            if not self._authorized(path):
+                return
             if endpoint is None:
                 self._not_found(path)
                 return
-            request = map_request(endpoint, body, self.front.model_names)
+            request = map_request(endpoint, _parse_json(body), self.front.model_names)
         except ApiError as exc:
             self._send_error(exc)
             return
@@ -179,9 +190,24 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             answered.set()
 
+    def _authorized(self, path: str) -> bool:
+        """Whether the request may go on; if not, it was answered 401 (the key it presented, if
+        any, is neither logged nor echoed)."""
+        if not (path == "/v1" or path.startswith("/v1/")) or self.front.api_keys.admits(
+                self.headers.get("Authorization")):
+            return True
+        log.info("http request without a valid api key", extra={"fields": {"client": self.client_address[0],
+                                                                            "path": path}})
+        self._send_json(HTTPStatus.UNAUTHORIZED, ApiError(
+            HTTPStatus.UNAUTHORIZED, "a valid API key is required: send the header 'Authorization: Bearer KEY' "
+            "with a key this server was started with (--api-key)", code="invalid_api_key").body(),
+            {"WWW-Authenticate": "Bearer"})
+        return False
+
     def _respond(self, request: MappedRequest, call: grpc.Call) -> None:
         try:
-            body = ResponseShaper(request, self.front.model_name).response(self._watch(call))
+            shaper = ResponseShaper(request, self.front.model_name, self.front.tool_call_parser)
+            body = shaper.response(self._watch(call))
         except ApiError as exc:
             self._send_error(exc)
             return
@@ -200,7 +226,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         try:
-            for event in ResponseShaper(request, self.front.model_name).stream(itertools.chain(first, chunks)):
+            shaper = ResponseShaper(request, self.front.model_name, self.front.tool_call_parser)
+            for event in shaper.stream(itertools.chain(first, chunks)):
                 self._write_chunk(f"data: {json.dumps(event)}\n\n")
         except ApiError as exc:  # failed mid-stream: the status line is sent, so report it in-band
             self._write_chunk(f"data: {json.dumps(exc.body())}\n\n")
@@ -238,12 +265,6 @@ class _Handler(BaseHTTPRequestHandler):
                            f"the body must come with a Content-Length of at most {MAX_BODY_BYTES} bytes")
         return self.rfile.read(length)
 
-    def _read_json(self):
-        try:
-            return json.loads(self._read_body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError.invalid(f"the body is not valid JSON: {exc}") from None
-
     def _not_found(self, path: str) -> None:
         self._send_error(ApiError(HTTPStatus.NOT_FOUND, f"no route {self.command} {path}; this server serves "
                                   "/v1/completions, /v1/chat/completions and /v1/models"))
@@ -251,15 +272,24 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_error(self, exc: ApiError) -> None:
         self._send_json(exc.status, exc.body())
 
-    def _send_json(self, status: HTTPStatus, body: dict) -> None:
+    def _send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
+
+
+def _parse_json(body: bytes):
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise ApiError.invalid(f"the body is not valid JSON: {exc}") from None
 
 
 def _cancel_when_client_leaves(sock: socket.socket, call: grpc.Call, answered: threading.Event) -> None:

@@ -1,0 +1,46 @@
+"""Bearer API keys for the HTTP front (`--api-key`, `DUET_API_KEY`), as `vllm serve --api-key`.
+
+Keys are compared in constant time (each presented key against every configured key, so the
+time taken tells neither which key nor how much of one matched) and never logged: the object's
+repr hides them, and a refused request is logged without what it presented.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Iterable
+
+ENV_VAR = "DUET_API_KEY"
+_BEARER = "bearer "
+
+
+class ApiKeys:
+    """The keys a request may present; none configured = every request is let in."""
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._keys = tuple(k.encode() for k in keys if k)
+
+    @classmethod
+    def from_flags(cls, flags: Iterable[str], environ: dict[str, str] | None = None) -> ApiKeys:
+        """The `--api-key` values plus `DUET_API_KEY` when it is set."""
+        env = (os.environ if environ is None else environ).get(ENV_VAR, "")
+        return cls([*flags, env])
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def admits(self, authorization: str | None) -> bool:
+        """Whether an `Authorization` header value carries one of the keys as a Bearer token."""
+        if not self._keys:
+            return True
+        if authorization is None or authorization[:len(_BEARER)].lower() != _BEARER:
+            return False
+        presented = authorization[len(_BEARER):].strip().encode()
+        matched = False
+        for key in self._keys:  # no early exit: every key is compared every time
+            matched |= hmac.compare_digest(presented, key)
+        return matched
+
+    def __repr__(self) -> str:
+        return f"ApiKeys({len(self._keys)} keys)"
