@@ -1,7 +1,8 @@
 """Engine speed against transformers on the default model, side by side in one run.
 
-What is measured (fp32, CPU, torch's default thread count, `torch.inference_mode`, untimed
-warm-up calls first, `time.perf_counter`, medians):
+What is measured (`--dtype`, default what a daemon's `--dtype auto` picks here, both sides in
+it; CPU, torch's default thread count, `torch.inference_mode`, untimed warm-up calls first,
+`time.perf_counter`, medians):
 
 - prefill, batch 1, prompts of 128 / 512 / 2048 random tokens: tokens per second of one
   forward over the whole prompt.
@@ -19,6 +20,12 @@ warm-up calls first, `time.perf_counter`, medians):
              context (`past_key_values=` before transformers 5).
   Both sides run the same number of steps, so their contexts grow alike.
 
+Against the physical limit, for every decode case: the bytes one step must read (every weight
+matrix, the lm_head included, and the K/V of every sequence's context) divided by our step
+time, next to this machine's copy bandwidth (`torch` copying a 256 MiB buffer: reads and writes
+counted once each, so the number is bytes moved per second). In bfloat16, also our own step
+against our float32 step at batch 8 and a 1000-token context (goal: at most 0.6).
+
 Ratios are ours/theirs: for prefill tok/s higher is better, for decode ms/step lower is
 better. The sides alternate call by call and a ratio is the median of the per-pair ratios,
 so it holds up while other processes load the machine; the absolute numbers do not.
@@ -27,7 +34,7 @@ transformers' step time, prefill at least 1.0x transformers' throughput.
 
 Set DUET_DISABLE_CPU_KERNELS=1 to measure the torch attention fallback instead of the CPU kernel.
 
-Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--json FILE]
+Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--dtype auto|float32|bfloat16] [--json FILE]
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ from common.engine.engine import Engine
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
 from common.model.model import LlamaModel
+from common.serving.dtype_choice import resolve_dtype
 
 PAGE_SIZE = 16
 DECODE_CONTEXT = 128  # the context of the decode goal
@@ -57,6 +65,8 @@ QUICK_DECODE_CASES = [(DECODE_CONTEXT, 1), (DECODE_CONTEXT, 8), (1000, 1), (1000
 PREFILL_GOAL = 1.0  # ours/theirs tok/s, at least
 DECODE_GOAL = 0.8  # ours/theirs ms/step at batch 8, at most
 DECODE_GOAL_BATCH = 8
+DTYPE_CASE = (1000, 8)  # (context, batch) of the bf16 / fp32 step goal
+DTYPE_GOAL = 0.6  # bf16 step / fp32 step, at most
 
 
 @dataclass
@@ -69,6 +79,7 @@ class Row:
     goal: str  # e.g. ">= 1.0x", "" when none applies
     verdict: str  # "PASS", "MISS" or ""
     context: int = 0  # decode: K/V positions each sequence holds
+    bandwidth: float = 0.0  # decode: GB/s our step reads (weights + K/V), 0 elsewhere
 
 
 class Timed:
@@ -166,7 +177,26 @@ def decode_theirs(hf: torch.nn.Module, batch: int, context: int) -> Timed:
 def kv_gib(model: LlamaModel, batch: int, context: int) -> float:
     """GiB of K/V that one side holds for `batch` sequences of `context` positions."""
     cfg = model.config
-    return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 4 / 2**30
+    return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * model.embed.element_size() / 2**30
+
+
+def step_bytes(model: LlamaModel, batch: int, context: int) -> int:
+    """Bytes a decode step must read at least: every weight matrix once, and every sequence's K/V."""
+    linears = [model.lm_head, *(layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down"))]
+    weights = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
+    return weights + int(kv_gib(model, batch, context) * 2**30)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 256 MiB tensor copy (bytes read plus bytes written, per second), best of five."""
+    src = torch.ones(64 * 2**20)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best / 1e9
 
 
 def available_gib() -> float:
@@ -179,27 +209,36 @@ def available_gib() -> float:
         return float("inf")
 
 
-def load_models() -> tuple[LlamaModel, torch.nn.Module]:
+def load_models(dtype: torch.dtype) -> tuple[LlamaModel, torch.nn.Module]:
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     path = default_model_path()
-    ours = LlamaModel(load_checkpoint(path))
+    ours = LlamaModel(load_checkpoint(path), dtype=dtype)
     with contextlib.redirect_stderr(io.StringIO()):  # the GGUF de-quantization progress bar
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return ours, hf.eval()
 
 
-def run(quick: bool, decode_only: bool = False) -> list[Row]:
+def dtype_row(ours: LlamaModel, warmup: int, iters: int) -> Row:
+    """Our bf16 step against our fp32 step, paired like the ours/theirs rows."""
+    context, bsz = DTYPE_CASE
+    fp32 = LlamaModel(load_checkpoint(default_model_path()))
+    t16, t32, ratio = paired_medians(decode_ours(ours, bsz, context, warmup + iters),
+                                     decode_ours(fp32, bsz, context, warmup + iters), warmup, iters)
+    verdict = "PASS" if ratio <= DTYPE_GOAL else "MISS"
+    print(f"  decode  B={bsz:3d} ctx {context:5d}: bf16 {1e3 * t16:8.2f} ms/step, fp32 {1e3 * t32:8.2f} ms/step", flush=True)
+    return Row("dtype", bsz, 1e3 * t16, 1e3 * t32, ratio, f"<= {DTYPE_GOAL}x", verdict, context)
+
+
+def run(quick: bool, decode_only: bool = False, dtype: torch.dtype = torch.float32) -> list[Row]:
     prefill_lengths = [] if decode_only else [128, 512] if quick else [128, 512, 2048]
     decode_cases = QUICK_DECODE_CASES if quick else DECODE_CASES
     warmup, iters = (1, 3) if quick else (2, 5)
     decode_warmup, decode_iters = (2, 8) if quick else (3, 15)
 
-    ours, hf = load_models()
+    ours, hf = load_models(dtype)
     vocab = ours.config.vocab_size
     print(f"  attention: {'CPU kernel' if ours.attention_kernel else 'torch fallback'}", flush=True)
     rows = []
@@ -225,21 +264,32 @@ def run(quick: bool, decode_only: bool = False) -> list[Row]:
             goal, verdict = "", ""
             if bsz == DECODE_GOAL_BATCH and context == DECODE_CONTEXT:
                 goal, verdict = f"<= {DECODE_GOAL}x", "PASS" if ratio <= DECODE_GOAL else "MISS"
-            rows.append(Row("decode", bsz, a, b, ratio, goal, verdict, context))
-            print(f"  decode  B={bsz:3d} ctx {context:5d}: ours {a:8.2f} ms/step, transformers {b:8.2f} ms/step",
-                  flush=True)
+            gbs = step_bytes(ours, bsz, context) / t_ours / 1e9
+            rows.append(Row("decode", bsz, a, b, ratio, goal, verdict, context, gbs))
+            print(f"  decode  B={bsz:3d} ctx {context:5d}: ours {a:8.2f} ms/step ({gbs:5.1f} GB/s read), "
+                  f"transformers {b:8.2f} ms/step", flush=True)
+        if dtype == torch.bfloat16:
+            rows.append(dtype_row(ours, decode_warmup, decode_iters))
     return rows
 
 
-def format_table(rows: list[Row]) -> str:
+def format_table(rows: list[Row], bandwidth: float) -> str:
     lines = [f"{'measure':<32} {'ours':>9} {'transformers':>13} {'ratio':>7}  {'goal':<8} result", "-" * 80]
     for r in rows:
         if r.kind == "prefill":
             label, nums = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:>9.1f} {r.theirs:>13.1f}"
+        elif r.kind == "dtype":
+            label, nums = f"bf16 / fp32 B={r.size}, ctx {r.context}", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
         else:
             label, nums = f"decode B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
         lines.append(f"{label:<32} {nums} {r.ratio:>6.3f}x  {r.goal:<8} {r.verdict}".rstrip())
-    lines.append("ratio = ours/transformers (median of paired calls); prefill: higher is better, decode: lower")
+    lines.append("ratio = ours/transformers (median of paired calls); prefill: higher is better, decode: lower;")
+    lines.append("the bf16 / fp32 row is ours in bf16 against ours in fp32 (ms/step)")
+    lines.append("")
+    lines.append(f"decode against the copy bandwidth ({bandwidth:.1f} GB/s here): bytes a step reads / step time")
+    for r in rows:
+        if r.kind == "decode":
+            lines.append(f"  B={r.size:<3d} ctx {r.context:<5d} {r.bandwidth:6.1f} GB/s  {r.bandwidth / bandwidth:6.1%} of the limit")
     return "\n".join(lines)
 
 
@@ -264,22 +314,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurements")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="both sides' dtype; auto = what a daemon's --dtype auto picks here (default)")
     args = parser.parse_args()
+    dtype = getattr(torch, resolve_dtype("cpu", args.dtype))
 
     started = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; measuring...", flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}; measuring...", flush=True)
     busy_before = busy_fraction()
-    rows = run(args.quick, args.decode_only)
+    bandwidth = copy_bandwidth()
+    rows = run(args.quick, args.decode_only, dtype)
     load_after = os.getloadavg()[0]  # ours counts for up to one per thread
     print()
-    print(format_table(rows))
+    print(format_table(rows, bandwidth))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if busy_before > 0.25 or load_after > torch.get_num_threads() + 1:
         print(f"warning: other processes were busy on this machine (CPUs {busy_before:.0%} busy before the run, "
               f"load average {load_after:.1f} after); absolute numbers are noisy, the paired ratios less so")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "decode_context": DECODE_CONTEXT,
+            json.dump({"threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
+                       "copy_gbs": bandwidth, "decode_context": DECODE_CONTEXT,
                        "busy_before": busy_before, "load_after": load_after,
                        "rows": [asdict(r) for r in rows]}, f, indent=2)
 
