@@ -29,6 +29,7 @@ class Member(Generic[StubT]):
     healthy: bool = False
     load: pb.NodeLoad = field(default_factory=pb.NodeLoad)
     in_flight: int = 0  # requests routed here that have not finished
+    routed: int = 0  # requests routed here so far (common/peers/routing.py breaks ties with it)
 
 
 class Membership(Generic[StubT]):
@@ -70,6 +71,10 @@ class Membership(Generic[StubT]):
             self.remove(address)
         for address in addresses:
             self.add(address)
+
+    def members(self) -> list[Member[StubT]]:
+        with self._lock:
+            return list(self._members.values())
 
     def healthy(self) -> list[Member[StubT]]:
         with self._lock:
