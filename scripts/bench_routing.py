@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--question-len", type=int, default=96, help="tokens per question (default %(default)s)")
     p.add_argument("--output-len", type=int, default=64, help="tokens per answer (default %(default)s)")
     p.add_argument("--load-weight", type=float, default=None, help="the router's --load-weight (default: its own)")
+    p.add_argument("--min-remote-prefill-tokens", type=int, default=128,
+                   help="router and decode nodes: prefill locally below this many uncached prompt tokens, so a turn "
+                   "whose history the decode node holds skips the prefill node (default %(default)s)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
                    help="also run prefix routing with a decode node restarted mid-run (default on)")
     p.add_argument("--restart-after", type=float, default=5.0, help="seconds into that run (default %(default)s)")
@@ -48,13 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_mode(tmp: Path, args: argparse.Namespace, mode: str, restart_after: float | None = None) -> BenchmarkResult:
     """One run on fresh daemons: a prefill node, two decode nodes, a router with `--routing mode`."""
-    weight = () if args.load_weight is None else ("--load-weight", str(args.load_weight))
+    shared = ("--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens))  # router and decode nodes alike
+    if args.load_weight is not None:
+        shared += ("--load-weight", str(args.load_weight))
     with ExitStack() as stack:
         pf = stack.enter_context(prefill_node(tmp, *NODE_FLAGS))
-        decode_flags = (*NODE_FLAGS, "--prefill", pf.address, "--routing", mode, *weight)
+        decode_flags = (*NODE_FLAGS, "--prefill", pf.address, "--routing", mode, *shared)
         decodes = [stack.enter_context(decode_node(tmp, *decode_flags)) for _ in range(2)]
         members = [a for d in decodes for a in ("--decode", d.address)]
-        rt = stack.enter_context(router(tmp, *members, "--prefill", pf.address, "--routing", mode, *weight,
+        rt = stack.enter_context(router(tmp, *members, "--prefill", pf.address, "--routing", mode, *shared,
                                         "--poll-seconds", "0.25"))
         config = BenchmarkConfig(target=rt.address, dataset="conversations", num_users=args.num_users,
                                  turns=args.turns, prefix_len=args.system_len, input_len=args.question_len,
