@@ -66,10 +66,13 @@ def test_prefix_routing_follows_the_cache_until_the_load_outweighs_it():
     warm, cold = node("warm", running=2), node("cold")
     best = chooser.rank([cold, warm], PROMPT)[0]
     assert (best.member, best.cached_tokens, best.cost) == (warm, 20, 0 + 4.0 * 2)
-    warm.in_flight = 6  # requests in flight from here count when the report is older
+    warm.in_flight = 6  # requests in flight from here count beside those the report counts
     assert chooser.rank([cold, warm], PROMPT)[0].member is cold
     warm.in_flight, cold.load.queued_prefill_tokens = 0, 100  # so do queued prompt tokens
     assert chooser.rank([cold, warm], PROMPT)[0].member is warm
+    cold.load.queued_prefill_tokens = 0
+    warm.load.running_requests, warm.in_flight_at_poll = 8, 6  # the report counted 6 of ours, since ended
+    assert chooser.rank([cold, warm], PROMPT)[0].cost == 4.0 * 2
 
 
 def test_load_routing_ignores_the_cache_and_breaks_ties_by_requests_sent():

@@ -3,9 +3,11 @@ decode node (prefill nodes) both rank with.
 
 A node's cost is the prompt tokens it would have to compute for this request (those it does not
 hold in its prefix cache, as its KV events report them), plus the prompt tokens already queued
-there, plus `load_weight` tokens for each request it is running or queueing. The load counts
-the node's last report or, when higher, the requests this process has in flight there (the
-report can be up to a poll period old). Cheapest first; ties go to the node sent fewer requests.
+there, plus `load_weight` tokens for each request it is running or queueing. The request count
+is the node's last report (up to a poll period old) corrected by this process's own requests
+(`Member.active_requests`): a conversation's next turn, sent as the previous one ends, must not
+find its node still looking busy with that turn. Cheapest first; ties go to the node sent fewer
+requests.
 
 - ``prefix``: the cost above.
 - ``load``: the same without the cache term, so every node looks cold.
@@ -86,6 +88,4 @@ class NodeChooser:
             self.index.note_routed(member.address, token_ids)
 
     def _cost(self, member: Member, uncached: int) -> float:
-        load = member.load
-        active = max(load.running_requests + load.queued_requests, member.in_flight)
-        return uncached + load.queued_prefill_tokens + self.policy.load_weight * active
+        return uncached + member.load.queued_prefill_tokens + self.policy.load_weight * member.active_requests
