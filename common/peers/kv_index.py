@@ -21,6 +21,7 @@ from common.kv.block_hashes import block_hashes
 from protos.duet.v1 import duet_pb2 as pb
 
 PREDICTION_SECONDS = 30.0  # how long a routed prompt's blocks count as held before its node confirms them
+_PRUNE_ABOVE = 4096  # predicted blocks per node past which the expired ones are dropped
 
 
 @dataclass
@@ -83,10 +84,12 @@ class KvIndex:
             size = self._block_sizes.get(address)
             if size is None:
                 return
-            expiry = time.monotonic() + self._prediction_seconds
+            now = time.monotonic()
             predicted = self._predicted.setdefault(address, {})
+            if len(predicted) > _PRUNE_ABOVE:
+                predicted = self._predicted[address] = {h: t for h, t in predicted.items() if t > now}
             for h in block_hashes(token_ids, size):
-                predicted[h] = expiry
+                predicted[h] = now + self._prediction_seconds
 
     def cached_tokens(self, addresses: Sequence[str], token_ids: Sequence[int]) -> dict[str, int]:
         """For each address: how many leading tokens of `token_ids` it holds in whole blocks."""
@@ -110,10 +113,4 @@ class KvIndex:
                         break
                     run += 1
                 out[address] = run * size
-            self._expire(now)
         return out
-
-    def _expire(self, now: float) -> None:
-        for address, predicted in self._predicted.items():
-            if len(predicted) > 4096:  # bounded: drop the expired ones once there are many
-                self._predicted[address] = {h: t for h, t in predicted.items() if t > now}
