@@ -25,6 +25,7 @@ class RequestResult:
     status: str = OK  # "OK", a gRPC status name, an HTTP failure (HTTP_503, CONNECT_ERROR, ...)
     error: str = ""
     text: str = ""  # the generated text, so answers of two servers can be compared
+    token_ids: list[int] = field(default_factory=list)  # the generated ids, where the protocol carries them (gRPC)
 
     @property
     def ok(self) -> bool:

@@ -3,7 +3,10 @@ multi-turn conversation workload (loadgen `--dataset conversations`), the same w
 routing mode, each on freshly started daemons (cold caches), printed side by side.
 
 Reported per mode (loadgen's table): TTFT, output tokens/s, prompt tokens the decode nodes served
-from their prefix caches (`usage.cached_tokens`) against those a cache could have served. With
+from their prefix caches (`usage.cached_tokens`) against those a cache could have served. Both
+modes prefill locally below `--min-remote-prefill-tokens` uncached tokens; only prefix routing
+knows, before reserving, how much of a prompt its decode node holds, so under load routing every
+long prompt goes to the prefill node even when the decode node holds most of it. With
 `--restart` (on by default), a third run routes by prefix while one decode node is restarted
 (SIGTERM, then started again on the same port) in the middle of the run, and counts its failures.
 
@@ -37,6 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-len", type=int, default=256, help="tokens of the shared system prompt (default %(default)s)")
     p.add_argument("--question-len", type=int, default=96, help="tokens per question (default %(default)s)")
     p.add_argument("--output-len", type=int, default=64, help="tokens per answer (default %(default)s)")
+    p.add_argument("--range-ratio", type=float, default=0.5,
+                   help="question lengths uniform in [len*(1-r), len*(1+r)] (default %(default)s)")
+    p.add_argument("--user-rate", type=float, default=2.0,
+                   help="users starting per second, Poisson; inf = all at once (default %(default)s). Uneven "
+                   "questions and starts keep the users' turns from falling into lockstep, where even load "
+                   "routing would keep each conversation on one node")
     p.add_argument("--load-weight", type=float, default=None, help="the router's --load-weight (default: its own)")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=128,
                    help="router and decode nodes: prefill locally below this many uncached prompt tokens, so a turn "
@@ -63,7 +72,8 @@ def run_mode(tmp: Path, args: argparse.Namespace, mode: str, restart_after: floa
                                         "--poll-seconds", "0.25"))
         config = BenchmarkConfig(target=rt.address, dataset="conversations", num_users=args.num_users,
                                  turns=args.turns, prefix_len=args.system_len, input_len=args.question_len,
-                                 output_len=args.output_len, seed=args.seed, label=mode if restart_after is None
+                                 output_len=args.output_len, range_ratio=args.range_ratio,
+                                 request_rate=args.user_rate, seed=args.seed, label=mode if restart_after is None
                                  else f"{mode}+restart")
         restarter = None
         if restart_after is not None:
