@@ -42,7 +42,8 @@ from loadgen import BenchmarkConfig, format_table, run_benchmark, write_json
 from loadgen.runner import BenchmarkResult
 from scripts.local_daemons import decode_node, prefill_node, router
 
-NODE_FLAGS = ("--threads", "1", "--transport", "tcp")
+DRAIN_SECONDS = 120  # a restart lets every running stream finish (a request here takes up to ~20 s)
+NODE_FLAGS = ("--threads", "1", "--transport", "tcp", "--drain-seconds", str(DRAIN_SECONDS))
 SCENARIOS = ("concurrent", "serial")
 
 
@@ -110,7 +111,7 @@ def run_mode(tmp: Path, args: argparse.Namespace, scenario: str, mode: str,
 
 def _restart(stack: ExitStack, tmp: Path, node, flags: tuple[str, ...], after: float) -> None:
     time.sleep(after)
-    node.stop(signal.SIGTERM)  # drains its streams; the router sends new requests to the other node
+    node.stop(signal.SIGTERM, timeout=DRAIN_SECONDS + 30)  # drains; new requests go to the other node
     stack.enter_context(decode_node(tmp, *flags, port=node.port))
     print(f"restarted the decode node at {node.address} {after:.0f}s into the run", file=sys.stderr)
 

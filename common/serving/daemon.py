@@ -130,5 +130,5 @@ def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], ob
                 trace_file.close()  # after the drain, so the file holds every request's last events
 
     daemon.serve([service_name], metrics_registry=node.metrics.registry, metrics_port=config.metrics_port,
-                 on_shutdown=shutdown)
+                 on_shutdown=shutdown, grace_seconds=config.drain_seconds)
     return 0
