@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from common.engine.speculative import METHODS, SpeculativeConfig
 from common.openai_http import add_openai_args
+from common.peers.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy, add_routing_args
 from common.serving.daemon_config import DaemonConfig, daemon_parser, parse_config
 
 ADMISSION_MODES = ("reject", "queue")
@@ -26,6 +27,8 @@ class DecodeNodeConfig(DaemonConfig):
     max_total_tokens: int | None = None  # admitted requests' prompt + generated tokens; None = no cap
     prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
     min_remote_prefill_tokens: int = 32
+    routing: str = "prefix"  # how Generate picks a prefill node (common/peers/routing.py)
+    load_weight: float = DEFAULT_LOAD_WEIGHT
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
     # Latency target of one engine step that carries prompt chunks next to decodes; 0 = none
     # (chunks fill --max-batch-tokens). common/engine/step_budget.py
@@ -43,6 +46,11 @@ class DecodeNodeConfig(DaemonConfig):
     def speculative_config(self) -> SpeculativeConfig:
         """Validated in __post_init__ (a bad flag is a usage error)."""
         return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+
+    @property
+    def routing_policy(self) -> RoutingPolicy:
+        """Validated in __post_init__."""
+        return RoutingPolicy(self.routing, self.load_weight)
 
     @property
     def running_cap(self) -> int:
@@ -77,6 +85,7 @@ class DecodeNodeConfig(DaemonConfig):
         if self.api_key and self.openai_port is None:
             raise ValueError("--api-key guards the HTTP API: give --openai-port too")
         _ = self.speculative_config  # raises ValueError on a bad --speculative flag
+        _ = self.routing_policy
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
@@ -115,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    help="a prefill node for Generate to hand prompts to (repeatable); none = single-node mode")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=d.min_remote_prefill_tokens,
                    help="prefill locally when fewer uncached prompt tokens than this (default %(default)s)")
+    add_routing_args(p, "the prefill node Generate hands a prompt to")
     p.add_argument("--pd-balance", type=float, default=d.pd_balance, metavar="F",
                    help="prefill the last fraction F of each prompt here instead of on the prefill node "
                    "(default %(default)s)")

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine.engine import Engine
-from common.serving.pool_metrics import read_locked, register_pool_gauges
+from common.serving.pool_metrics import prefix_hit_counter, read_locked, register_pool_gauges
 from common.transports.transfer_metrics import TransferMetrics
 
 if TYPE_CHECKING:
@@ -28,8 +28,7 @@ class DecodeMetrics:
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefix_hit_tokens = Counter("duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                         registry=r)
+        self.prefix_hit_tokens = prefix_hit_counter(r)
         Gauge("duet_kv_pages_quarantined", "Pages of expired or aborted reservations kept from reuse while "
               "their one-sided writer may still write them", registry=r).set_function(
             lambda: read_locked(engine, reservations.quarantined_pages))

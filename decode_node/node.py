@@ -64,7 +64,8 @@ class DecodeNode:
             metrics=self.metrics)
         self._handing_off: set[str] = set()  # Generate requests waiting for a prefill node
         self._aborted_hand_offs: set[str] = set()
-        self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls)
+        self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls,
+                                        policy=config.routing_policy)
         self.kv_endpoint = open_endpoint(config.transport, self.engine.pool, self.authorize_write, config.host,
                                          config.advertise_host,
                                          name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import grpc
 from common.engine.guided import GrammarCompiler
 from common.engine.scheduler import RequestHandle
 from common.errors import RequestError
+from common.serving.kv_event_stream import KvEventStreams
 from common.serving.prompts import prompt_token_ids
 from common.serving.rpc_convert import chunk_to_proto, sampling_from_proto
 from decode_node.node import DecodeNode
@@ -26,8 +28,9 @@ def _deadline(context: grpc.ServicerContext) -> float:
 
 
 class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, node: DecodeNode) -> None:
+    def __init__(self, node: DecodeNode, draining: threading.Event | None = None) -> None:
         self.node = node
+        self.kv_events = KvEventStreams(node.engine.kv_events, draining or threading.Event())
         self.metrics = node.metrics
         self.grammars = GrammarCompiler(node.tokenizer, node.vocab_size)
 
@@ -99,6 +102,9 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
 
     def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.Trace:
         return self.node.tracer.trace(request.request_ids)
+
+    def WatchKvEvents(self, request: pb.WatchKvEventsRequest, context) -> Iterator[pb.KvEvent]:
+        yield from self.kv_events.watch(request, context)
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         try:

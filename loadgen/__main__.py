@@ -49,9 +49,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
                    help="gamma shape of the inter-arrival times (mean 1/rate): 1 = Poisson, <1 burstier, "
                    ">1 more regular (default %(default)s)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
-    p.add_argument("--dataset", default=d.dataset, metavar="random|shared-prefix|PATH",
-                   help="synthetic token-id prompts, shared-prefix groups, or a JSONL {\"prompt\": ...} / "
-                   "ShareGPT JSON file (default %(default)s)")
+    p.add_argument("--dataset", default=d.dataset, metavar="random|shared-prefix|conversations|PATH",
+                   help="synthetic token-id prompts, shared-prefix groups, multi-turn conversations (--num-users, "
+                   "--turns; --num-requests does not apply), or a JSONL {\"prompt\": ...} / ShareGPT JSON file "
+                   "(default %(default)s)")
     p.add_argument("--input-len", type=int, default=d.input_len,
                    help="prompt tokens (random) or per-request suffix tokens (shared-prefix) (default %(default)s)")
     p.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens (default %(default)s)")
@@ -61,6 +62,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
                    help="shared-prefix: distinct prefixes (default %(default)s)")
     p.add_argument("--prefix-len", type=int, default=d.prefix_len,
                    help="shared-prefix: tokens of each shared prefix (default %(default)s)")
+    p.add_argument("--num-users", type=int, default=d.num_users,
+                   help="conversations: users, all sharing one system prompt of --prefix-len tokens, each asking "
+                   "--turns questions of --input-len tokens, the next when the previous answer ends (default "
+                   "%(default)s)")
+    p.add_argument("--turns", type=int, default=d.turns,
+                   help="conversations and --multi-turn: turns per user (default %(default)s)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="replay a ShareGPT file's conversations turn by turn (up to --num-users of them) instead "
+                   "of sending first turns")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate exactly the output length (default: on for synthetic datasets, off for files)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds prompts, lengths and arrivals (default %(default)s)")
@@ -85,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
             max_concurrency=a.max_concurrency, dataset=a.dataset, input_len=a.input_len, output_len=a.output_len,
             range_ratio=a.range_ratio, num_prefix_groups=a.num_prefix_groups, prefix_len=a.prefix_len,
             ignore_eos=a.ignore_eos, seed=a.seed, timeout=a.timeout, goodput=dict(a.goodput), label=a.label,
-            endpoint=a.endpoint, model=a.model, tokenizer=a.tokenizer,
+            endpoint=a.endpoint, model=a.model, tokenizer=a.tokenizer, num_users=a.num_users, turns=a.turns,
+            multi_turn=a.multi_turn,
         )
     except ValueError as exc:
         p.error(str(exc))

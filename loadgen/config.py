@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadgen.conversations import Conversation, sharegpt_conversations, synthetic_conversations
 from loadgen.datasets import (
     SYNTHETIC_DATASETS,
     SampleRequest,
@@ -47,6 +48,9 @@ class BenchmarkConfig:
     endpoint: str | None = None  # /v1/completions (None) or /v1/chat/completions: chat sends every prompt as messages
     model: str | None = None  # OpenAI targets: None = the first id /v1/models lists
     tokenizer: str | None = None  # decodes token-id prompts for the chat endpoint; None = the embedded model
+    num_users: int = 8  # conversations: users, each sending `turns` turns one after another
+    turns: int = 3
+    multi_turn: bool = False  # a ShareGPT file replayed as conversations instead of first turns
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -70,6 +74,12 @@ class BenchmarkConfig:
             raise ValueError(f"--endpoint must be one of {', '.join(OPENAI_ENDPOINTS)}, got {self.endpoint!r}")
         if self.dataset not in SYNTHETIC_DATASETS and not Path(self.dataset).is_file():
             raise ValueError(f"--dataset: {self.dataset!r} is neither {' nor '.join(SYNTHETIC_DATASETS)} nor a file")
+        if self.num_users < 1 or self.turns < 1:
+            raise ValueError("--num-users and --turns must be >= 1")
+        if self.multi_turn and self.dataset in SYNTHETIC_DATASETS:
+            raise ValueError("--multi-turn replays a ShareGPT file: give --dataset PATH")
+        if self.is_conversational and self.endpoint == COMPLETIONS:
+            raise ValueError(f"conversations are chats: use --endpoint {CHAT} (the default for them)")
 
     @property
     def name(self) -> str:
@@ -80,8 +90,13 @@ class BenchmarkConfig:
         return is_http_target(self.target)
 
     @property
+    def is_conversational(self) -> bool:
+        """Multi-turn: requests are built as answers come back (conversations())."""
+        return self.dataset == "conversations" or self.multi_turn
+
+    @property
     def openai_endpoint(self) -> str:
-        return self.endpoint or COMPLETIONS
+        return self.endpoint or (CHAT if self.is_conversational else COMPLETIONS)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -100,6 +115,14 @@ class BenchmarkConfig:
         the chat endpoint every prompt is a conversation, whichever protocol carries it."""
         samples = self._dataset()
         return as_chat(samples, self.tokenizer_path) if self.endpoint == CHAT else samples
+
+    def conversations(self) -> list[Conversation]:
+        """The multi-turn workload: --prefix-len tokens of shared system prompt and --input-len tokens
+        per question (synthetic), or a ShareGPT file's conversations."""
+        if self.dataset == "conversations":
+            return synthetic_conversations(self.num_users, self.turns, self.prefix_len, self.input_len,
+                                           self.output_len, self.range_ratio, self.seed, self.tokenizer_path)
+        return sharegpt_conversations(Path(self.dataset), self.num_users, self.turns, self.output_len, self.seed)
 
     def _dataset(self) -> list[SampleRequest]:
         if self.dataset == "random":

@@ -47,7 +47,7 @@ class GrpcTarget:
         request = generate_request(request_id, sample, self.config.effective_ignore_eos)
         start = time.perf_counter()
         clock = ChunkClock()
-        received = 0
+        ids: list[int] = []
         texts: list[str] = []
         final: pb.GenerationChunk | None = None
         status, error = OK, ""
@@ -55,7 +55,7 @@ class GrpcTarget:
             async for chunk in self._stub.Generate(request, timeout=self.config.timeout):
                 if chunk.token_ids:
                     clock.tick(time.perf_counter())
-                    received += len(chunk.token_ids)
+                    ids.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 if chunk.finish_reason:
                     final = chunk
@@ -73,7 +73,7 @@ class GrpcTarget:
             index=index, request_id=request_id, arrival=arrival, start=start - origin, end=end - origin,
             first_token=None if clock.first is None else clock.first - origin, itl=clock.itl,
             prompt_tokens=usage.prompt_tokens or (sample.prompt_len or 0),
-            completion_tokens=usage.completion_tokens or received, cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens or len(ids), cached_tokens=usage.cached_tokens,
             finish_reason=final.finish_reason if final is not None else "", status=status, error=error,
-            text="".join(texts),
+            text="".join(texts), token_ids=ids,
         )

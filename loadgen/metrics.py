@@ -37,6 +37,7 @@ class Summary:
     total_input_tokens: int
     total_output_tokens: int
     total_cached_tokens: int
+    total_cacheable_tokens: int | None  # conversation workloads: what a prefix cache could have served
     request_throughput: float  # completed requests / s
     output_throughput: float  # output tokens / s
     total_token_throughput: float  # (input + output) tokens / s
@@ -68,6 +69,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slos_ms: dict
         total_input_tokens=input_tokens,
         total_output_tokens=output_tokens,
         total_cached_tokens=sum(r.cached_tokens for r in ok),
+        total_cacheable_tokens=None if any(r.cacheable_tokens is None for r in ok)
+        else sum(r.cacheable_tokens for r in ok),
         request_throughput=len(ok) * per_second,
         output_throughput=output_tokens * per_second,
         total_token_throughput=(input_tokens + output_tokens) * per_second,

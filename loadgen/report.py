@@ -65,6 +65,8 @@ def _rows(summaries: list[Summary]) -> list[Row]:
         ("Total input tokens", each(lambda s: s.total_input_tokens)),
         ("Total generated tokens", each(lambda s: s.total_output_tokens)),
         ("Cached prompt tokens", each(lambda s: s.total_cached_tokens)),
+        *([("Cacheable prompt tokens", each(lambda s: s.total_cacheable_tokens)),
+           ("Cached / cacheable", each(_cache_share))] if summaries[0].total_cacheable_tokens is not None else []),
         ("Request throughput (req/s)", each(lambda s: s.request_throughput)),
         ("Output token throughput (tok/s)", each(lambda s: s.output_throughput)),
         ("Total token throughput (tok/s)", each(lambda s: s.total_token_throughput)),
@@ -76,6 +78,10 @@ def _rows(summaries: list[Summary]) -> list[Row]:
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             rows.append((f"{name} {short} (ms)", each(lambda s, f=field_name, st=stat: _stat(getattr(s, f), st))))
     return rows
+
+
+def _cache_share(s: Summary) -> float | None:
+    return s.total_cached_tokens / s.total_cacheable_tokens if s.total_cacheable_tokens else None
 
 
 def _stat(stats: LatencyStats | None, name: str) -> float | None:
@@ -138,6 +144,7 @@ def _request_to_dict(r: RequestResult) -> dict:
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
+        "cacheable_tokens": r.cacheable_tokens,
         "text": r.text,
     }
 

@@ -20,10 +20,12 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cacheable_tokens: int | None = None  # what a prefix cache could have served (loadgen/cacheable.py); conversations
     finish_reason: str = ""
     status: str = OK  # "OK", a gRPC status name, an HTTP failure (HTTP_503, CONNECT_ERROR, ...)
     error: str = ""
     text: str = ""  # the generated text, so answers of two servers can be compared
+    token_ids: list[int] = field(default_factory=list)  # the generated ids, where the protocol carries them (gRPC)
 
     @property
     def ok(self) -> bool:

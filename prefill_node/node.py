@@ -109,6 +109,7 @@ class PrefillNode:
             seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
         job = PrefillJob(seq, begin, expand_slots(metadata), session)
         cached = seq.num_computed
+        self.metrics.prefix_hit_tokens.inc(cached)
         self.tracer.event(req.request_id, "prefix_matched", matched_tokens=cached, prompt_tokens=end)
         self.scheduler.submit(job)
         ok = False

@@ -1,6 +1,7 @@
 """The router daemon: `python -m router --decode HOST:PORT ... --prefill HOST:PORT ...`.
 
-Serves duet.v1.DecodeNode/Generate and runs the hand-off over its pools. Membership can change
+Serves duet.v1.DecodeNode/Generate and runs the hand-off over its pools, choosing nodes per
+`--routing` (common/peers/routing.py) from their load and, by default, their KV events. Membership can change
 while it runs: with `--members FILE` (JSON `{"decode": [...], "prefill": [...]}`) the file is
 re-read whenever it changes.
 """
@@ -16,8 +17,11 @@ from pathlib import Path
 from common.model.default_model import default_model_path
 from common.model.tokenizer import load_tokenizer
 from common.openai_http import add_openai_args, attach_openai_front
+from common.peers.kv_index import KvIndex
+from common.peers.kv_watch import KvWatch
 from common.peers.membership import Membership
 from common.peers.prefill_pool import PrefillPool
+from common.peers.routing import NodeChooser, RoutingPolicy, add_routing_args
 from common.serving.daemon import GrpcDaemon, setup_logging
 from common.serving.daemon_config import add_tls_args
 from common.serving.tls import TlsFiles
@@ -41,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=32)
     p.add_argument("--poll-seconds", type=float, default=1.0, help="health/load polling period")
+    add_routing_args(p, "the decode node and the prefill node of each request")
     add_tls_args(p)
     add_openai_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -50,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
     try:
         args.tls.validate()
+        args.policy = RoutingPolicy(args.routing, args.load_weight)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -75,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     daemon = GrpcDaemon(args.host, args.port, args.tls)
     decode = Membership(duet_pb2_grpc.DecodeNodeStub, args.decode, args.poll_seconds, tls=args.tls)
-    prefill = PrefillPool(args.prefill, args.poll_seconds, tls=args.tls)
-    router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill, args.min_remote_prefill_tokens)
+    prefill = PrefillPool(args.prefill, args.poll_seconds, tls=args.tls, policy=args.policy)
+    index = KvIndex() if args.policy.mode == "prefix" else None
+    watch = KvWatch(decode, index, retry_seconds=args.poll_seconds) if index is not None else None
+    router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill,
+                    NodeChooser(args.policy, index), args.min_remote_prefill_tokens)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
     if args.openai_port is not None:
         attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model,
@@ -88,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def shutdown() -> None:
         stop.set()
+        if watch is not None:
+            watch.close()
         decode.close()
         prefill.close()
 

@@ -1,10 +1,13 @@
 """The three-call hand-off run by a client over N prefill x M decode nodes.
 
-For each request: pick the decode node with the most room (fewest requests in flight from
-here, then most free KV pages), reserve there (PrepareReceive), have the least-loaded healthy
-prefill node push the KV (RemoteSend, retried on another prefill node if one fails before the
-KV arrived), then stream StartGeneration. Short prompts, no healthy prefill node, or a failed
-hand-off fall back to the decode node's own Generate (local prefill).
+For each request: rank the healthy decode nodes (common/peers/routing.py: with prefix routing,
+the prompt tokens each holds in its prefix cache, from its KV events, against its load), reserve
+on the best (PrepareReceive), have the best-ranked prefill node push the KV of what the decode
+node lacks (RemoteSend, retried on another prefill node if one fails before the KV arrived), then
+stream StartGeneration. Short uncached remainders, no healthy prefill node, or a failed hand-off
+fall back to the decode node's own Generate (local prefill). A decode node that is unreachable
+before the request's first chunk (stopped, restarting) is marked failed and the next one is
+tried, so a node going away costs no request that had not started streaming.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from common.errors import Unavailable
 from common.model.tokenizer import Tokenizer
 from common.peers.membership import Member, Membership
 from common.peers.prefill_pool import PrefillPool
+from common.peers.routing import NodeChooser
 from common.serving.prompts import prompt_token_ids
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -28,47 +32,70 @@ log = logging.getLogger(__name__)
 
 class Router:
     def __init__(self, tokenizer: Tokenizer, decode: Membership[duet_pb2_grpc.DecodeNodeStub], prefill: PrefillPool,
-                 min_remote_prefill_tokens: int = 32) -> None:
+                 chooser: NodeChooser, min_remote_prefill_tokens: int = 32) -> None:
         self.tokenizer = tokenizer
         self.decode = decode
         self.prefill = prefill
+        self.chooser = chooser
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
         self.registry = CollectorRegistry()
         self.routed = Counter("duet_router_requests", "Requests by how their prompt was prefilled "
                               "(remote: by a prefill node; local: by the decode node)", ["prefill"],
                               registry=self.registry)
+        self.expected_hits = Counter("duet_router_expected_cache_hit_tokens", "Prompt tokens the chosen decode "
+                                     "node was believed to hold in its prefix cache", registry=self.registry)
+        self.retries = Counter("duet_router_retries", "Requests sent to another decode node because the chosen "
+                               "one was unreachable before the first chunk", registry=self.registry)
+        if chooser.index is not None:
+            index = chooser.index
+            Gauge("duet_router_kv_index_blocks", "KV blocks the router believes the decode nodes hold, summed "
+                  "over the nodes (from their KV events)", registry=self.registry).set_function(
+                lambda: sum(index.num_blocks(m.address) for m in decode.members()))
         for kind, members in (("decode", decode), ("prefill", prefill)):
             Gauge(f"duet_router_healthy_{kind}_nodes", f"Healthy {kind} nodes", registry=self.registry
                   ).set_function(lambda m=members: len(m.healthy()))
 
-    def pick_decode(self) -> Member:
-        healthy = self.decode.healthy()
-        if not healthy:
-            raise Unavailable("no healthy decode node")
-        return min(healthy, key=lambda m: (m.in_flight, -(m.load.kv_pages_free + m.load.kv_pages_cached)))
-
     def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerationChunk]:
         tokens = prompt_token_ids(request, self.tokenizer)
         rid = request.request_id or uuid.uuid4().hex
-        dn = self.pick_decode()
-        dn.in_flight += 1
-        try:
-            # A request for prompt logprobs is computed whole on the decode node (its Generate).
-            remote = not request.sampling.HasField("prompt_logprobs")
-            if remote and self.prefill.healthy() and len(tokens) - 1 >= self.min_remote_prefill_tokens:
-                stream = self._hand_off(dn, rid, tokens, request.sampling)
-                if stream is not None:
-                    self.routed.labels("remote").inc()
-                    yield from stream
-                    return
-            self.routed.labels("local").inc()
-            yield from dn.stub.Generate(pb.GenerateRequest(request_id=rid, token_ids=tokens, sampling=request.sampling))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        ranked = self.chooser.rank(self.decode.healthy(), tokens)
+        if not ranked:
+            raise Unavailable("no healthy decode node")
+        for attempt, choice in enumerate(ranked):
+            dn = choice.member
+            dn.in_flight += 1
+            self.chooser.note_routed(dn, tokens)
+            streamed = False
+            try:
+                for chunk in self._run(dn, choice.cached_tokens, rid, tokens, request.sampling):
+                    streamed = True
+                    yield chunk
+                self.expected_hits.inc(choice.cached_tokens)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
                 self.decode.mark_failed(dn)
-            raise
-        finally:
-            dn.in_flight -= 1
+                if streamed or attempt == len(ranked) - 1:
+                    raise
+                self.retries.inc()
+                log.info("decode node unavailable: trying the next", extra={"fields": {
+                    "decode": dn.address, "request_id": rid, "details": exc.details()}})
+            finally:
+                dn.in_flight -= 1
+
+    def _run(self, dn: Member, cached: int, rid: str, tokens: list[int],
+             sampling: pb.SamplingParams) -> Iterator[pb.GenerationChunk]:
+        # A request for prompt logprobs is computed whole on the decode node (its Generate).
+        remote = not sampling.HasField("prompt_logprobs")
+        if remote and self.prefill.healthy() and len(tokens) - 1 - cached >= self.min_remote_prefill_tokens:
+            stream = self._hand_off(dn, rid, tokens, sampling)
+            if stream is not None:
+                self.routed.labels("remote").inc()
+                yield from stream
+                return
+        self.routed.labels("local").inc()
+        yield from dn.stub.Generate(pb.GenerateRequest(request_id=rid, token_ids=tokens, sampling=sampling))
 
     def _hand_off(self, dn: Member, rid: str, tokens: list[int], sampling: pb.SamplingParams):
         """The three calls; None when the KV did not arrive (the reservation is released)."""

@@ -41,8 +41,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class Daemon:
     def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 cpus: set[int] | None = None, tls: TlsFiles = TlsFiles()) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
+                 cpus: set[int] | None = None, tls: TlsFiles = TlsFiles(), port: int | None = None) -> None:
+        self.port, self.metrics_port = port or free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
@@ -95,8 +95,8 @@ def _tls_flags(tls: TlsFiles) -> list[str]:
 
 @contextmanager
 def _running(module: str, stub_class, tmp_dir: Path, args: tuple[str, ...], env: dict[str, str] | None,
-             cpus: set[int] | None = None, tls: TlsFiles = TlsFiles()):
-    d = Daemon(module, list(args), tmp_dir / f"{module}_{free_port()}.log", env, cpus, tls)
+             cpus: set[int] | None = None, tls: TlsFiles = TlsFiles(), port: int | None = None):
+    d = Daemon(module, list(args), tmp_dir / f"{module}_{free_port()}.log", env, cpus, tls, port)
     try:
         d.wait_healthy()
         d.stub = stub_class(d.channel)
@@ -113,12 +113,13 @@ def _sampled(module: str, env: dict[str, str] | None, profile: Path | None) -> t
 
 
 def decode_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, cpus: set[int] | None = None,
-                tls: TlsFiles = TlsFiles(), profile: Path | None = None):
+                tls: TlsFiles = TlsFiles(), profile: Path | None = None, port: int | None = None):
     """A healthy decode node daemon (`with decode_node(tmp) as d: d.stub.Generate(...)`), optionally
     pinned to `cpus`, optionally serving (m)TLS with `tls` (also used by the returned stub), optionally
-    writing a profile of its threads to `profile` when it stops (scripts/stack_sampler.py)."""
+    writing a profile of its threads to `profile` when it stops (scripts/stack_sampler.py), on
+    `port` when given (a restart at the same address)."""
     module, env = _sampled("decode_node", env, profile)
-    return _running(module, duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, env, cpus, tls)
+    return _running(module, duet_pb2_grpc.DecodeNodeStub, tmp_dir, args, env, cpus, tls, port)
 
 
 def prefill_node(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, cpus: set[int] | None = None,

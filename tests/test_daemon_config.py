@@ -20,6 +20,8 @@ def test_defaults():
     d, p = decode_args([]), prefill_args([])
     assert d.page_size == p.page_size == 16 and d.kv_pages * d.page_size >= 16_000
     assert d.lease_seconds == 30.0 and d.transport == p.transport == "nixl" and d.prefill == ()
+    assert d.drain_seconds == p.drain_seconds == 10.0
+    assert d.routing_policy.mode == "prefix" and decode_args(["--routing", "load"]).routing_policy.mode == "load"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -27,6 +29,9 @@ def test_defaults():
     (["--lease-seconds", "-1"], "--lease-seconds"),
     (["--pd-balance", "1.5"], "--pd-balance"),
     (["--transport", "carrier-pigeon"], "invalid choice"),
+    (["--drain-seconds", "0"], "--drain-seconds"),
+    (["--routing", "nearest"], "invalid choice"),
+    (["--load-weight", "-1"], "--load-weight"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -23,12 +23,12 @@ from scripts.local_daemons import ROOT, decode_node, free_port
 
 SUMMARY_FIELDS = {
     "completed", "failed", "failed_by_status", "duration_s", "total_input_tokens", "total_output_tokens",
-    "total_cached_tokens", "request_throughput", "output_throughput", "total_token_throughput", "goodput",
+    "total_cached_tokens", "total_cacheable_tokens", "request_throughput", "output_throughput", "total_token_throughput", "goodput",
     "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms",
 }
 REQUEST_FIELDS = {
     "index", "request_id", "status", "error", "finish_reason", "arrival_s", "start_s", "first_token_s", "end_s", "ttft_ms",
-    "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "text",
+    "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "cacheable_tokens", "text",
 }
 STATS = {"mean", "median", "p90", "p99"}
 
@@ -102,7 +102,52 @@ def test_file_datasets_jsonl_and_sharegpt(tmp_path):
     assert [s.messages for s in samples] == [(("user", "What is 2+2?"),)] * 2
 
 
+def test_conversations_share_a_system_prompt_and_multi_turn_files_keep_their_order(tmp_path):
+    config = BenchmarkConfig(target="x", dataset="conversations", num_users=3, turns=2, prefix_len=20, input_len=8)
+    conversations = config.conversations()
+    assert len(conversations) == 3 and len({c.system for c in conversations}) == 1
+    assert all(len(c.questions) == 2 and c.system not in c.questions for c in conversations)
+    assert config.conversations() == conversations and config.openai_endpoint == CHAT  # seeded; chats
+    turn = conversations[0].turn((("user", "q"), ("assistant", "a")), "next?")
+    assert turn.messages == (("system", conversations[0].system), ("user", "q"), ("assistant", "a"), ("user", "next?"))
+    sharegpt = tmp_path / "multi.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [{"from": "system", "value": "Be terse."}, {"from": "human", "value": "A?"},
+                           {"from": "gpt", "value": "recorded, unused"}, {"from": "human", "value": "B?"},
+                           {"from": "human", "value": "C?"}]},
+        {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+    ]))
+    (only,) = dataclasses.replace(config, dataset=str(sharegpt), multi_turn=True).conversations()
+    assert (only.system, only.questions) == ("Be terse.", ("A?", "B?"))
+    for bad in ({"multi_turn": True}, {"turns": 0}, {"endpoint": "/v1/completions"}):
+        with pytest.raises(ValueError):
+            dataclasses.replace(config, **bad)
+
+
 # ---------------------------------------------------------------- whole runs against decode nodes
+
+def test_conversation_turns_wait_for_their_answers_and_count_cacheable_tokens(node, tmp_path):
+    out = tmp_path / "chat.json"
+    done = loadgen("--target", node.address, "--dataset", "conversations", "--num-users", "2", "--turns", "3",
+                   "--prefix-len", "48", "--input-len", "12", "--output-len", "6", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "Cacheable prompt tokens:" in done.stdout and "Cached / cacheable:" in done.stdout
+    data = json.loads(out.read_text())
+    requests = data["requests"]
+    assert len(requests) == 6 and all(r["status"] == "OK" for r in requests)
+    for user in (requests[:3], requests[3:]):
+        for earlier, later in zip(user, user[1:]):
+            assert later["start_s"] >= earlier["end_s"]  # the next turn waits for the answer
+            assert later["prompt_tokens"] > earlier["prompt_tokens"] + earlier["completion_tokens"]
+            assert later["cacheable_tokens"] >= earlier["prompt_tokens"]  # its whole history
+    summary = data["summary"]
+    assert summary["total_cacheable_tokens"] == sum(r["cacheable_tokens"] for r in requests)
+    assert 0.8 * summary["total_cacheable_tokens"] <= summary["total_cached_tokens"]  # one node: all its own
+    # Over HTTP the same conversations, with the cached tokens the front reports.
+    http = run_benchmark(BenchmarkConfig(target=node.http, dataset="conversations", num_users=1, turns=2,
+                                         prefix_len=48, input_len=12, output_len=6), progress=None)
+    assert http.summary.completed == 2 and http.requests[1].cached_tokens >= http.requests[0].prompt_tokens - 16
+
 
 def test_run_against_a_decode_node_writes_json_and_png(node, tmp_path):
     out, png = tmp_path / "run.json", tmp_path / "run.png"

@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from common.kv.block_hashes import block_hashes
+from common.kv.kv_events import KvEventLog
 from common.kv.page_allocator import OutOfPages, PageAllocator
 from common.kv.prefix_cache import PrefixCache
 
@@ -310,7 +312,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.allocator = PageAllocator(self.NUM_PAGES)
-        self.cache = PrefixCache(self.allocator, self.PS)
+        # A short history, so the watcher below also has to fall back to snapshots.
+        self.events = KvEventLog(self.PS, history=3)
+        self.cache = PrefixCache(self.allocator, self.PS, self.events)
+        self.watched: set[int] = set()  # what a watcher following self.events believes is cached
+        self.watch_cursor = 0
         self.model: dict[tuple[int, ...], list[int]] = {}
         self.clock = 0
         self.live: list[tuple[list[int], list[int]]] = []  # (tokens, page table) per sequence
@@ -501,6 +507,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def evictable_count_matches(self) -> None:
         assert self.cache.evictable_pages() == self.model_evictable()
+
+    @invariant()
+    def kv_events_name_exactly_the_cached_full_pages(self) -> None:
+        changes = self.events.changes_after(self.watch_cursor)
+        if changes is None:
+            self.watch_cursor, blocks = self.events.snapshot()
+            self.watched = set(blocks)
+        for change in changes or ():
+            self.watched.difference_update(change.removed)
+            self.watched.update(change.stored)
+            self.watch_cursor = change.sequence
+        full = {block_hashes(key, self.PS)[-1] for key in self.model if not self.is_tail(key)}
+        assert self.watched == full and self.events.num_blocks == len(full)
 
     def teardown(self) -> None:
         for _, table in self.live:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.attention_window import RELEASED, AttentionWindow, slots_at
+from common.kv.kv_events import KvEventLog
 from common.kv.kv_pool import KVPool
 from common.kv.page_allocator import PageAllocator
 from common.kv.prefix_cache import PrefixCache
@@ -44,7 +45,8 @@ class Engine:
         self.pool: KVPool = model.new_pool(num_pages, page_size)
         self.allocator = PageAllocator(num_pages)
         self.window = AttentionWindow.of(model.config)  # None: full attention, no page is released
-        self.prefix_cache = PrefixCache(self.allocator, page_size)
+        self.kv_events = KvEventLog(page_size)  # what WatchKvEvents streams
+        self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events)
         # Guards page tables, the allocator and the prefix cache for every thread that
         # allocates (the scheduler loop, the decode node's PrepareReceive handlers).
         self.lock = threading.RLock()

@@ -30,6 +30,10 @@ LRU uses a min-heap of `(last_access, serial, node)` for leaves with lazy invali
 touch pushes a fresh entry and older ones are recognised as stale when popped. Stale entries are
 compacted away once they outnumber live nodes, so the heap stays O(cached pages).
 
+With a `KvEventLog`, every full page the cache starts or stops recording is reported by its
+chained block hash (common/kv/block_hashes.py), one published change per operation, so other
+nodes can tell which prompts this cache would serve. Tails are not reported: they are never shared.
+
 Not thread-safe: one scheduler thread owns the cache and its allocator.
 """
 from __future__ import annotations
@@ -40,17 +44,22 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from common.kv.block_hashes import ROOT_HASH, chain_hash
+from common.kv.kv_events import KvEventLog
 from common.kv.page_allocator import OutOfPages, PageAllocator
 
 _HeapEntry = tuple[int, int, "_Node"]
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "tails", "is_tail", "last_access", "serial", "removed")
+    __slots__ = ("key", "page", "parent", "children", "tails", "is_tail", "last_access", "serial", "removed",
+                 "block_hash")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, serial: int,
                  is_tail: bool = False) -> None:
         self.key = key
+        # Tails and the root name no block.
+        self.block_hash = ROOT_HASH if parent is None or is_tail else chain_hash(parent.block_hash, key)
         self.page = page
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}  # full pages continuing this one
@@ -78,10 +87,11 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, events: KvEventLog | None = None) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         self.allocator = allocator
+        self.events = events
         self.page_size = page_size
         self._serials = itertools.count()
         self._root = _Node((), -1, None, next(self._serials))
@@ -145,6 +155,7 @@ class PrefixCache:
                 tail = self._add(node, tail_tokens, pages[len(keys)], is_tail=True)
             path.append(tail)
         self._touch(path)
+        self._publish()
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` cached pages that nobody else references, LRU first.
@@ -168,6 +179,7 @@ class PrefixCache:
                 self._push(parent)
         for entry in in_use:
             heapq.heappush(self._heap, entry)
+        self._publish()
         return freed
 
     def evictable_pages(self) -> int:
@@ -202,11 +214,13 @@ class PrefixCache:
             node = stack.pop()
             stack.extend(node.kids())
             node.removed = True
+            self._report_removed(node)
             self.allocator.decref([node.page])
         self._root.children.clear()
         self._root.tails.clear()
         self._num_nodes = 0
         self._heap.clear()
+        self._publish()
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
         """Allocate `n` pages (continuing page `after`'s run where free: see
@@ -234,6 +248,7 @@ class PrefixCache:
                 for page in range(start, start + length):
                     if page in evictable and not evictable[page][0].removed:
                         self._remove_subtree(evictable[page][0])
+            self._publish()
         return self.allocate(n, after)
 
     def _remove_subtree(self, top: _Node) -> None:
@@ -282,6 +297,8 @@ class PrefixCache:
         node = _Node(key, page, parent, next(self._serials), is_tail)
         (parent.tails if is_tail else parent.children)[key] = node
         self._num_nodes += 1
+        if self.events is not None and not is_tail:
+            self.events.stored(node.block_hash)
         return node
 
     def _drop_tails(self, node: _Node, which: Callable[[_Node], bool]) -> None:
@@ -317,6 +334,15 @@ class PrefixCache:
         del (node.parent.tails if node.is_tail else node.parent.children)[node.key]
         node.removed = True
         self._num_nodes -= 1
+        self._report_removed(node)
+
+    def _report_removed(self, node: _Node) -> None:
+        if self.events is not None and not node.is_tail:
+            self.events.removed(node.block_hash)
+
+    def _publish(self) -> None:
+        if self.events is not None:
+            self.events.publish()
 
     def _remove_leaf(self, node: _Node) -> None:
         self._detach(node)

@@ -29,6 +29,15 @@ class Member(Generic[StubT]):
     healthy: bool = False
     load: pb.NodeLoad = field(default_factory=pb.NodeLoad)
     in_flight: int = 0  # requests routed here that have not finished
+    routed: int = 0  # requests routed here so far (common/peers/routing.py breaks ties with it)
+    in_flight_at_poll: int = 0  # of `load`'s requests, how many were this process's own
+
+    @property
+    def active_requests(self) -> int:
+        """Requests running or queued there now, best guess: the node's report less this process's
+        requests it counted (some have ended since), plus this process's requests now."""
+        reported = self.load.running_requests + self.load.queued_requests
+        return max(0, reported - self.in_flight_at_poll) + self.in_flight
 
 
 class Membership(Generic[StubT]):
@@ -71,13 +80,19 @@ class Membership(Generic[StubT]):
         for address in addresses:
             self.add(address)
 
+    def members(self) -> list[Member[StubT]]:
+        with self._lock:
+            return list(self._members.values())
+
     def healthy(self) -> list[Member[StubT]]:
         with self._lock:
             return [m for m in self._members.values() if m.healthy]
 
     def refresh(self, member: Member[StubT]) -> None:
         try:
+            before = member.in_flight
             member.load = member.stub.GetLoad(pb.GetLoadRequest(), timeout=self._rpc_timeout_s)
+            member.in_flight_at_poll = min(before, member.in_flight)
             if not member.healthy:
                 log.info("node healthy", extra={"fields": {"address": member.address}})
             member.healthy = True

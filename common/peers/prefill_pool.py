@@ -1,7 +1,8 @@
 """Handing a reserved prompt window to a prefill node, with retries across the pool.
 
-Prefill nodes are tried least loaded first (queued prefill tokens reported by the node, plus
-requests this process has in flight there). One that fails before the KV arrived is marked
+Prefill nodes are tried in the order common/peers/routing.py ranks them (the same function the
+router ranks decode nodes with): with prefix routing, a node that holds the prompt's prefix in its
+cache (known from its KV events, which the pool watches) prefills only the rest. One that fails before the KV arrived is marked
 unhealthy and the next is tried; errors another node would repeat (bad request, reservation
 gone) end the attempt at once, and so does a timeout: callers size it to the reservation's lease, so
 no other node could still deliver, and a node that is merely slow stays in the pool (a hung one
@@ -15,7 +16,10 @@ from collections.abc import Callable
 
 import grpc
 
-from common.peers.membership import Member, Membership
+from common.peers.kv_index import KvIndex
+from common.peers.kv_watch import KvWatch
+from common.peers.membership import Membership
+from common.peers.routing import NodeChooser, RoutingPolicy
 from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -28,25 +32,33 @@ _FINAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.Stat
 
 class PrefillPool(Membership[duet_pb2_grpc.PrefillNodeStub]):
     def __init__(self, addresses: list[str] = (), poll_seconds: float = 1.0, timeout_s: float = 30.0,
-                 tls: TlsFiles = TlsFiles()) -> None:
+                 tls: TlsFiles = TlsFiles(), policy: RoutingPolicy = RoutingPolicy()) -> None:
         super().__init__(duet_pb2_grpc.PrefillNodeStub, addresses, poll_seconds, tls=tls)
         self._timeout_s = timeout_s
+        index = KvIndex() if policy.mode == "prefix" else None
+        self._watch = KvWatch(self, index) if index is not None else None
+        self.chooser = NodeChooser(policy, index)
 
-    def by_load(self) -> list[Member]:
-        return sorted(self.healthy(), key=lambda m: (m.load.queued_prefill_tokens, m.in_flight))
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        super().close()
 
     def push(self, request: pb.RemoteSendRequest, still_wanted: Callable[[], bool] = lambda: True,
              lease_deadline_unix: float | None = None) -> str | None:
-        """RemoteSend to the least-loaded healthy prefill node, falling through to the next on
+        """RemoteSend to the best-ranked healthy prefill node, falling through to the next on
         failure, within the reservation's lease when its deadline is given (else the pool's
         timeout). Returns the address that delivered the KV, or None if none did."""
-        for member in self.by_load():
+        prompt = request.token_ids[: request.kv_window_end]  # what a prefill node computes
+        for choice in self.chooser.rank(self.healthy(), prompt):
+            member = choice.member
             timeout = self._timeout_s if lease_deadline_unix is None else lease_deadline_unix - time.time()
             if timeout <= 0:
                 return None
             if not still_wanted():
                 return None
             member.in_flight += 1
+            self.chooser.note_routed(member, prompt)
             try:
                 member.stub.RemoteSend(request, timeout=timeout)
                 return member.address

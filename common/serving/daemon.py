@@ -67,6 +67,7 @@ class GrpcDaemon:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}")
         self._stop = threading.Event()
+        self.draining = threading.Event()  # set when shutdown begins: long-lived streams end
         self._fronts: list[Front] = []
 
     def add_front(self, front: Front) -> None:
@@ -98,6 +99,7 @@ class GrpcDaemon:
         self._stop.wait()
         log.info("shutting down: draining in-flight requests")
         self.health.enter_graceful_shutdown()
+        self.draining.set()
         for front in self._fronts:
             front.stop()
         started = time.monotonic()
@@ -128,5 +130,5 @@ def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], ob
                 trace_file.close()  # after the drain, so the file holds every request's last events
 
     daemon.serve([service_name], metrics_registry=node.metrics.registry, metrics_port=config.metrics_port,
-                 on_shutdown=shutdown)
+                 on_shutdown=shutdown, grace_seconds=config.drain_seconds)
     return 0

@@ -53,6 +53,7 @@ class DaemonConfig:
     device: str = "cpu"  # where the weights and the KV pool live: cpu or cuda (docs/gpu.md)
     dtype: str = "auto"  # weights, activations and KV (common/serving/dtype_choice.py); see resolved_dtype
     log_level: str = "info"
+    drain_seconds: float = 10.0  # how long SIGTERM lets in-flight streams finish before cutting them
     advertise_host: str = ""  # the host peers should dial; default --host
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -95,6 +96,8 @@ class DaemonConfig:
         check_device(self.device, self.dtype)
         if self.trace_requests < 1:
             raise ValueError("--trace-requests must be >= 1")
+        if not self.drain_seconds > 0:
+            raise ValueError("--drain-seconds must be > 0")
         self.tls.validate()
 
 
@@ -119,6 +122,9 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
     p.add_argument("--cpus", type=parse_cpus, default=None, metavar="LIST",
                    help="run on these CPUs only, e.g. 0 or 0-3,6 (default: those it was started with); "
                    "a prefill and a decode node sharing a host may split the cores this way")
+    p.add_argument("--drain-seconds", type=float, default=d.drain_seconds, metavar="S",
+                   help="on SIGTERM, how long in-flight streams may run on before they are cut; set it above your "
+                   "longest request's duration for restarts that cost no request (default %(default)s)")
     p.add_argument("--nice", type=int, default=d.nice, metavar="N",
                    help="lower this daemon's CPU priority by N (0-19) at start, so that a node on the same "
                    "cores gets them first (default %(default)s)")

@@ -1,9 +1,9 @@
-"""KV pool gauges every node exports."""
+"""KV pool and prefix cache metrics every node exports."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.engine.engine import Engine
 
@@ -23,3 +23,9 @@ def register_pool_gauges(registry: CollectorRegistry, engine: Engine) -> None:
         lambda: engine.allocator.num_free)
     Gauge("duet_kv_pages_cached", "Pages held by the prefix cache", registry=registry).set_function(
         lambda: read_locked(engine, lambda: engine.prefix_cache.num_cached_pages))
+    Gauge("duet_prefix_cache_blocks", "Full pages the prefix cache holds (what WatchKvEvents reports)",
+          registry=registry).set_function(lambda: engine.kv_events.num_blocks)
+
+
+def prefix_hit_counter(registry: CollectorRegistry) -> Counter:
+    return Counter("duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=registry)

@@ -159,6 +159,30 @@ class NodeLoad(_message.Message):
     kv_pages_quarantined: int
     def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_reserved: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ...) -> None: ...
 
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ("incarnation", "after_sequence")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    after_sequence: int
+    def __init__(self, incarnation: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("incarnation", "sequence", "snapshot", "stored_blocks", "removed_blocks", "block_size")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    sequence: int
+    snapshot: bool
+    stored_blocks: _containers.RepeatedScalarFieldContainer[int]
+    removed_blocks: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., removed_blocks: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
 class PrepareReceiveRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "kv_window_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class DecodeNodeStub:
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/duet.v1.DecodeNode/WatchKvEvents',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -147,6 +152,13 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """What enters and leaves this node's prefix cache, from a snapshot on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +206,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.GetTrace,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -449,6 +466,33 @@ class DecodeNode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/duet.v1.DecodeNode/WatchKvEvents',
+            protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillNodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -473,6 +517,11 @@ class PrefillNodeStub:
                 '/duet.v1.PrefillNode/GetTrace',
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.FromString,
+                _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/duet.v1.PrefillNode/WatchKvEvents',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.FromString,
                 _registered_method=True)
 
 
@@ -501,6 +550,13 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """What enters and leaves this node's prefix cache, from a snapshot on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -518,6 +574,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.GetTrace,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.Trace.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -601,6 +662,33 @@ class PrefillNode:
             '/duet.v1.PrefillNode/GetTrace',
             protos_dot_duet_dot_v1_dot_duet__pb2.GetTraceRequest.SerializeToString,
             protos_dot_duet_dot_v1_dot_duet__pb2.Trace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/duet.v1.PrefillNode/WatchKvEvents',
+            protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,95 @@
+"""The record of what enters and leaves a prefix cache, for watchers on other nodes.
+
+The cache reports each full page it starts or stops holding by its block hash
+(common/kv/block_hashes.py) and calls `publish` at the end of each operation; what changed since
+the last `publish` becomes one numbered change (`KvChange`). Within a change only a block's final
+state counts (stored then removed is a removal), so applying changes in order, idempotently
+(add the stored, discard the removed), rebuilds the cache's set of blocks.
+
+A watcher starts from `snapshot()` (every block held, with the sequence it reflects) and follows
+`changes_after`; the last `history` changes are kept, so a watcher that lost its stream can resume
+without a snapshot if it was not gone long. A restart gives the log a new `incarnation`, so a
+watcher can tell it must start over. Thread-safe: the cache writes under its owner's lock while
+server threads read.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KvChange:
+    sequence: int  # the log's state after this change; consecutive
+    stored: tuple[int, ...]
+    removed: tuple[int, ...]
+
+
+class KvEventLog:
+    def __init__(self, block_size: int, history: int = 1024) -> None:
+        self.block_size = block_size
+        self.incarnation = secrets.token_hex(8)
+        self._cond = threading.Condition()
+        self._blocks: set[int] = set()
+        self._pending: dict[int, bool] = {}  # block hash -> held, since the last publish
+        self._sequence = 0
+        self._history: deque[KvChange] = deque(maxlen=history)
+
+    @property
+    def sequence(self) -> int:
+        with self._cond:
+            return self._sequence
+
+    @property
+    def num_blocks(self) -> int:
+        with self._cond:
+            return len(self._blocks)
+
+    def stored(self, block_hash: int) -> None:
+        with self._cond:
+            self._blocks.add(block_hash)
+            self._pending[block_hash] = True
+
+    def removed(self, block_hash: int) -> None:
+        with self._cond:
+            self._blocks.discard(block_hash)
+            self._pending[block_hash] = False
+
+    def publish(self) -> None:
+        """Turn what changed since the last call into one change and wake the watchers."""
+        with self._cond:
+            self._publish_locked()
+
+    def snapshot(self) -> tuple[int, list[int]]:
+        """(sequence, every block held after that change)."""
+        with self._cond:
+            self._publish_locked()
+            return self._sequence, list(self._blocks)
+
+    def changes_after(self, sequence: int) -> list[KvChange] | None:
+        """The changes after `sequence` (none when it is the latest), or None when the history no
+        longer reaches back to it: take a snapshot. `sequence` must not be ahead of the log."""
+        with self._cond:
+            if sequence > self._sequence:
+                raise ValueError(f"sequence {sequence} is ahead of the log's {self._sequence}")
+            missing = self._sequence - sequence
+            if missing > len(self._history):
+                return None
+            return list(self._history)[len(self._history) - missing :]
+
+    def wait(self, sequence: int, timeout: float) -> bool:
+        """Block until a change after `sequence` exists or `timeout` passes; True if one does."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._sequence > sequence, timeout)
+
+    def _publish_locked(self) -> None:
+        if not self._pending:
+            return
+        stored = tuple(h for h, held in self._pending.items() if held)
+        removed = tuple(h for h, held in self._pending.items() if not held)
+        self._pending.clear()
+        self._sequence += 1
+        self._history.append(KvChange(self._sequence, stored, removed))
+        self._cond.notify_all()
