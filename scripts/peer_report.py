@@ -8,9 +8,11 @@ from pathlib import Path
 from loadgen.metrics import LatencyStats
 from loadgen.runner import BenchmarkResult
 
-PEER, PEER_NGRAM = "vllm", "vllm-ngram"
+PEER, PEER_NGRAM, PEER_FP32 = "vllm", "vllm-ngram", "vllm-fp32"
 # systems run with n-gram speculative decoding -> the same system without it
 SPECULATIVE = {PEER_NGRAM: PEER, "duet-ngram": "duet-colocated"}
+# systems forced to float32 (the others run at their engine's default dtype: bf16 on this CPU)
+FP32 = {PEER_FP32, "duet-fp32"}
 # (record key, column title, higher is better)
 COLUMNS = (
     ("ttft_p50_ms", "TTFT p50", False), ("ttft_p99_ms", "TTFT p99", False),
@@ -20,20 +22,22 @@ COLUMNS = (
 
 
 def is_peer(system: str) -> bool:
-    return system in (PEER, PEER_NGRAM)
+    return system in (PEER, PEER_NGRAM, PEER_FP32)
 
 
 def peer_of(system: str) -> str:
     """The vLLM system a system is compared with: vLLM with n-gram speculation for a speculating
-    system, plain vLLM otherwise."""
-    return PEER_NGRAM if system in SPECULATIVE else PEER
+    system, vLLM forced to float32 for a float32 one, plain vLLM (its default dtype) otherwise."""
+    if system in SPECULATIVE:
+        return PEER_NGRAM
+    return PEER_FP32 if system in FP32 else PEER
 
 
 def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkResult | None,
-           acceptance_rate: float | None = None) -> dict:
+           acceptance_rate: float | None = None, dtype: str | None = None) -> dict:
     """The numbers of one run; `same_text_as_vllm` counts the requests whose greedy answer is its
     peer's (`peer_of`), word for word (None without a peer run); `acceptance_rate` is accepted /
-    drafted speculative tokens (None without speculation)."""
+    drafted speculative tokens (None without speculation); `dtype` what the system computed in."""
     s = result.summary
 
     def pick(stats: LatencyStats | None, name: str) -> float | None:
@@ -43,7 +47,7 @@ def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkR
     if peer is not None and not is_peer(system):
         same = sum(a.ok and b.ok and a.text == b.text for a, b in zip(result.requests, peer.requests))
     return {
-        "workload": workload, "system": system, "model": result.model, "completed": s.completed, "failed": s.failed,
+        "workload": workload, "system": system, "dtype": dtype, "model": result.model, "completed": s.completed, "failed": s.failed,
         "failed_by_status": s.failed_by_status, "duration_s": s.duration_s,
         "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
         "ttft_p50_ms": pick(s.ttft_ms, "median"), "ttft_p99_ms": pick(s.ttft_ms, "p99"),
@@ -56,19 +60,20 @@ def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkR
 def format_table(records: list[dict]) -> str:
     """Rows grouped by workload; under each duet row, its ratio to its vLLM row (`peer_of`) of that
     workload; then what speculation bought each system that speculates."""
-    head = f"{'workload':<16}{'system':<22}{'ok/all':>8}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS)
+    head = f"{'workload':<16}{'system':<30}{'ok/all':>8}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS)
     lines = [head, "-" * len(head)]
     for workload in dict.fromkeys(r["workload"] for r in records):
         rows = [r for r in records if r["workload"] == workload]
         by_system = {r["system"]: r for r in rows}
         for i, r in enumerate(rows):
             done = f"{r['completed']}/{r['completed'] + r['failed']}"
-            lines.append(f"{workload if i == 0 else '':<16}{r['system']:<22}{done:>8}"
+            name = f"{r['system']} ({r['dtype']})" if r.get("dtype") else r["system"]
+            lines.append(f"{workload if i == 0 else '':<16}{name:<30}{done:>8}"
                          + "".join(f"{_value(r[key]):>11}" for key, _, _ in COLUMNS))
             peer = by_system.get(peer_of(r["system"]))
             if peer is not None and not is_peer(r["system"]):
                 title = "  duet / vLLM" if peer["system"] == PEER else f"  duet / {peer['system']}"
-                lines.append(f"{'':<16}{title:<22}{'':>8}"
+                lines.append(f"{'':<16}{title:<30}{'':>8}"
                              + "".join(f"{_ratio(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
     lines.append("-" * len(head))
     by_key = {(r["workload"], r["system"]): r for r in records}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,12 +97,12 @@ def _digest(data: bytes) -> str:
 
 @contextmanager
 def vllm_server(model_dir: Path, log_path: Path, threads_bind: str | None = None, extra_args: tuple[str, ...] = ()):
-    """`vllm serve model_dir` (fp32, 2048-token context, then `extra_args`) on a free loopback
-    port, answering to the directory's name (as duet does); yields its base URL once /v1/models
-    answers. The whole process group is ended on exit."""
+    """`vllm serve model_dir` (2048-token context, vLLM's default dtype unless `extra_args` set
+    `--dtype`) on a free loopback port, answering to the directory's name (as duet does); yields
+    its base URL once /v1/models answers. The whole process group is ended on exit."""
     port = free_port()
-    cmd = [str(vllm_executable()), "serve", str(model_dir), "--served-model-name", model_dir.name, "--dtype",
-           "float32", "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    cmd = [str(vllm_executable()), "serve", str(model_dir), "--served-model-name", model_dir.name,
+           "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), *extra_args]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     if threads_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
@@ -113,6 +114,12 @@ def vllm_server(model_dir: Path, log_path: Path, threads_bind: str | None = None
         yield url
     finally:
         _stop_group(proc)
+
+
+def served_dtype(log_path: Path) -> str | None:
+    """The dtype vLLM says it loaded the model in (`dtype=torch.bfloat16` in its start-up log)."""
+    found = re.search(r"dtype=torch\.(\w+)", log_path.read_text(errors="replace"))
+    return found.group(1) if found else None
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path) -> None:
