@@ -43,7 +43,10 @@ RemoteSend times. Goal: disaggregated at most 1.05x single node.
 
 Goals are informational: the exit status is 0 either way.
 
-Usage: python -m scripts.bench_transfer [--quick] [--json FILE]   (--quick: 1k and 4k tokens, fewer
+`--dtype` (default auto: bfloat16 on a CPU with AVX512-BF16 or AMX) sets the pools' and the
+daemons' dtype; `--dtype float32` measures the 4-byte pools of earlier runs.
+
+Usage: python -m scripts.bench_transfer [--quick] [--dtype auto|float32|bfloat16] [--json FILE]   (--quick: 1k and 4k tokens, fewer
 repetitions, TTFT over NIXL only; about 2 minutes on 2 cores)
 """
 from __future__ import annotations
@@ -70,6 +73,7 @@ import torch
 
 from common.kv.kv_metadata import decode_segments, encode_segments
 from common.kv.kv_pool import KVPool
+from common.serving.dtype_choice import resolve_dtype
 from common.transports.kv_ranges import Piece, plan_pieces
 from common.transports.nixl_transport import NixlInitiator
 from common.transports.tcp_transport import WriteGrant
@@ -80,7 +84,12 @@ from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, decode_node, prefill_node
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
-BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4  # 46,080
+BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4  # 46,080 in fp32
+
+
+def bytes_per_token(dtype: torch.dtype) -> int:
+    """K and V of one position over all layers in pools of `dtype` (23,040 in bf16)."""
+    return BYTES_PER_TOKEN // 4 * torch.empty(0, dtype=dtype).element_size()
 TRANSFER_TIMEOUT_S = 60.0
 PEER = "bench-decode"  # the pushers' key for the decode process
 RAW_GOAL, MEMCPY_GOAL, SOCKET_GOAL, TTFT_GOAL = 0.8, 0.45, 0.7, 1.05
@@ -141,7 +150,7 @@ def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int
     endpoints = [open_endpoint(t, pool, authorize, "127.0.0.1", "", name=f"{PEER}-{os.getpid()}",
                                transfers_pending=lambda: True) for t in transports]
     listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_plain_receiver, args=(listener, bytearray(len(slots) * BYTES_PER_TOKEN)),
+    threading.Thread(target=_plain_receiver, args=(listener, bytearray(len(slots) * bytes_per_token(dtype))),
                      daemon=True).start()
     try:
         infos = [e.info() for e in endpoints]
@@ -334,16 +343,16 @@ def transfer_methods(src: KVPool, layout: Layout, name: str,
         yield conn, methods
 
 
-def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int) -> KvRow | None:
-    """The five methods over the same `tokens` positions, each in its own fresh pools; None when
-    the layout has no reservation of that size."""
+def bench_kv(layout_name: str, tokens: int, warmup: int, reps: int, dtype: torch.dtype = torch.float32) -> KvRow | None:
+    """The five methods over the same `tokens` positions, each in its own fresh pools of `dtype`;
+    None when the layout has no reservation of that size."""
     layout = LAYOUTS[layout_name](tokens, seed=tokens)
     if layout is None:
         return None
-    src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, layout.num_pages, PAGE_SIZE)
+    src = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, layout.num_pages, PAGE_SIZE, dtype)
     src.data.uniform_()
     expected = digest(src.data.index_select(2, torch.tensor(layout.src_slots)))
-    nbytes = tokens * BYTES_PER_TOKEN
+    nbytes = tokens * bytes_per_token(dtype)
     contiguous = src.data.view(-1)[: nbytes // src.data.element_size()]
     copy_dst = torch.empty_like(contiguous)
     sessions: list = []
@@ -393,9 +402,10 @@ def prefill_node_totals(pn: Daemon) -> tuple[float, float, float]:
             m["duet_remote_send_seconds_sum"])
 
 
-def bench_ttft(transport: str, single: Daemon, tmp: Path, rng: random.Random, reps: int) -> TtftRow:
-    with prefill_node(tmp, "--transport", transport) as pn, \
-            decode_node(tmp, "--transport", transport, "--prefill", pn.address,
+def bench_ttft(transport: str, single: Daemon, tmp: Path, rng: random.Random, reps: int,
+               dtype: str = "auto") -> TtftRow:
+    with prefill_node(tmp, "--dtype", dtype, "--transport", transport) as pn, \
+            decode_node(tmp, "--dtype", dtype, "--transport", transport, "--prefill", pn.address,
                         "--min-remote-prefill-tokens", "1") as dn:
         time_to_first_token(dn.stub, random_prompt(rng))  # warm-up: handshake, first forward
         time_to_first_token(single.stub, random_prompt(rng))
@@ -445,9 +455,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions, nixl TTFT only")
     parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="of the pools and the daemons; auto = what the daemons' --dtype auto picks here (default)")
     parser.add_argument("--churned-layouts", metavar="FILE", type=Path, default=CHURNED_LAYOUTS,
                         help="reservations saved by `scripts.bench_churn --save-layouts` (default %(default)s)")
     args = parser.parse_args()
+    dtype_name = resolve_dtype("cpu", args.dtype)
+    dtype = getattr(torch, dtype_name)
     LAYOUTS["churned"] = lambda tokens, seed: churned_layout(tokens, seed, args.churned_layouts)
     os.environ.setdefault("UCX_TLS", "sm,self")  # before any NIXL agent exists, inherited by children
     sizes = (1024, 4096) if args.quick else (1024, 4096, 8192)
@@ -457,11 +471,12 @@ def main() -> None:
 
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, UCX_TLS={os.environ['UCX_TLS']}; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype_name} pools, "
+          f"UCX_TLS={os.environ['UCX_TLS']}; "
           "measuring...", flush=True)
     kv = []
     for layout_name, tokens in ((name, tokens) for name in LAYOUTS for tokens in sizes):
-        if (row := bench_kv(layout_name, tokens, kv_warmup, kv_reps)) is None:
+        if (row := bench_kv(layout_name, tokens, kv_warmup, kv_reps, dtype)) is None:
             continue
         kv.append(row)
         print(f"  KV {layout_name} {tokens:5d} tok: NIXL path {row.nixl_path:.2f}, raw NIXL {row.raw_nixl:.2f}, "
@@ -469,9 +484,9 @@ def main() -> None:
     ttft = []
     rng = random.Random(20240601)
     with tempfile.TemporaryDirectory(prefix="bench_transfer_") as tmp:
-        with decode_node(Path(tmp)) as single:
+        with decode_node(Path(tmp), "--dtype", dtype_name) as single:
             for transport in transports:
-                ttft.append(row := bench_ttft(transport, single, Path(tmp), rng, ttft_reps))
+                ttft.append(row := bench_ttft(transport, single, Path(tmp), rng, ttft_reps, dtype_name))
                 print(f"  TTFT {transport}: disaggregated {row.disaggregated_ms:.0f} ms, "
                       f"single node {row.single_node_ms:.0f} ms", flush=True)
     load_after = os.getloadavg()[0]
@@ -486,7 +501,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "ucx_tls": os.environ["UCX_TLS"],
-                       "bytes_per_token": BYTES_PER_TOKEN, "page_size": PAGE_SIZE,
+                       "dtype": dtype_name, "bytes_per_token": bytes_per_token(dtype), "page_size": PAGE_SIZE,
                        "kv": [asdict(r) for r in kv], "ttft": [asdict(r) for r in ttft]}, f, indent=2)
 
 
