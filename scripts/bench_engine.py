@@ -160,7 +160,7 @@ def decode_theirs(hf: torch.nn.Module, batch: int, context: int) -> Timed:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = DynamicCache()
     for layer in range(cfg.num_hidden_layers):
-        kv = torch.zeros(batch, cfg.num_key_value_heads, context, head_dim)
+        kv = torch.zeros(batch, cfg.num_key_value_heads, context, head_dim, dtype=hf.dtype)
         cache.update(kv, kv.clone(), layer)
     logits = torch.zeros(batch, cfg.vocab_size)
     # transformers 5.x renamed the forward's `past_key_values` argument to `cache`.
