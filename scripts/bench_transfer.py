@@ -338,7 +338,7 @@ def transfer_methods(src: KVPool, layout: Layout, name: str,
                                          TRANSFER_TIMEOUT_S),
         }
         if not src.data.is_cuda:  # a socket reads host memory only
-            contiguous = memoryview(src.data.view(-1).numpy()).cast("B")[:nbytes]
+            contiguous = memoryview(src.data.view(-1).view(torch.uint8).numpy())[:nbytes]
             methods["tcp_socket"] = lambda: plain_socket_send(socket_port, contiguous)
         yield conn, methods
 
