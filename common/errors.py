@@ -12,6 +12,11 @@ class RequestError(Exception):
         if code is not None:
             self.code = code
 
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError, peer: str) -> RequestError:
+        """A failed call to another node, as this node's error, with the peer's status."""
+        return cls(f"{peer}: {exc.details()}", exc.code())
+
 
 class InvalidArgument(RequestError):
     code = grpc.StatusCode.INVALID_ARGUMENT

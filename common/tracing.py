@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.daemon_limits import MAX_REQUEST_ID_LENGTH
+from common.daemon_limits import valid_request_id
 from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Tracer:
 
     def record(self, request_id: str, name: str, start_unix: float, duration_s: float = 0.0, **args) -> None:
         """An event with explicit times (for one span shared by several requests)."""
-        if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH:
+        if not valid_request_id(request_id):
             return  # nothing to join it with, or an id the node refuses (bounds what traces hold)
         e = (name, start_unix, max(0.0, duration_s), args)
         with self._lock:

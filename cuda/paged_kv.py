@@ -10,7 +10,7 @@ head_dim]`. A *buffer* is `[2, n, heads, head_dim]`, contiguous: row i holds the
   buffer for such a transport.
 
 The TCP transport gathers a GPU pool's layer with :func:`gather_from_slots` before copying it to
-host memory (common/transports/tcp_transport.py). No transport here needs the scatter: each TCP
+host memory (common/transports/tcp/). No transport here needs the scatter: each TCP
 frame covers one contiguous run of destination slots, and NIXL writes the runs directly (one
 descriptor per run); it is there for a transport that lands one buffer per layer.
 

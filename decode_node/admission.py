@@ -18,22 +18,20 @@ newcomer queues behind waiters even when it would fit, so a big request at the h
 starved by small ones behind it (the price is head-of-line blocking, as in the reference's
 waiting queue). A request that could not fit even into an empty pool is refused at once.
 
-Waiters sleep on a condition of the engine lock, woken by `ReleaseNotifyingEngine.release`
-(the one path through which scheduler finishes, preemptions and reservation releases give
-pages back) and when the head leaves the queue; they also wake every `POLL_SECONDS` to notice
-client cancellation, their deadline, and room made by paths that bypass `release` (a writer's
-unpin, a sliding window dropping pages, a fully cached reservation's release).
+Waiters sleep on the engine's `room_made` condition, which the engine notifies whenever pages
+go back to the free list or turn evictable (common/engine/core.py), and which the head notifies
+when it leaves the queue; they also wake every `POLL_SECONDS` to notice client cancellation,
+their deadline or an Abort.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
-from common.engine.engine import Engine, Sequence
+from common.engine.core import Engine, locked
 from common.errors import Aborted, Cancelled, DeadlineExceeded, ResourceExhausted
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
@@ -52,32 +50,6 @@ class NotAdmitted(Exception):
         self.reason = reason
 
 
-class ReleaseNotifyingEngine(Engine):
-    """An engine whose `release` wakes admission waiters when it made room: pages went back to
-    the free list, or computed pages went to the prefix cache (where they turn evictable once
-    no one else holds them). A failed admission attempt that only drops its prefix pins makes
-    no room and wakes no one, so the head of the queue cannot spin on its own retries."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.room_made = threading.Condition(self.lock)
-
-    def release(self, seq: Sequence, cache: bool = True) -> None:
-        with self.lock:
-            free_before = self.allocator.num_free
-            to_cache = cache and seq.num_computed > 0
-            super().release(seq, cache)
-            if to_cache or self.allocator.num_free > free_before:
-                self.room_made.notify_all()
-
-    def truncate(self, seq: Sequence) -> None:
-        with self.lock:
-            free_before = self.allocator.num_free
-            super().truncate(seq)
-            if self.allocator.num_free > free_before:
-                self.room_made.notify_all()
-
-
 @dataclass
 class _Waiter:
     request_id: str
@@ -85,25 +57,19 @@ class _Waiter:
 
 
 class Admission:
-    """Call every method with `engine.lock` held. `running` counts admitted requests;
-    `admitted_tokens` sums their prompt and generated tokens."""
+    """`running` counts admitted requests; `admitted_tokens` sums their prompt and generated
+    tokens. Guarded by the engine lock, like the pages it hands out."""
 
-    def __init__(self, config: DecodeNodeConfig, engine: ReleaseNotifyingEngine, running: Callable[[], int],
+    def __init__(self, config: DecodeNodeConfig, engine: Engine, running: Callable[[], int],
                  admitted_tokens: Callable[[], int], metrics: DecodeMetrics) -> None:
         self.queueing = config.admission == "queue"
+        self.lock = engine.lock
         self._config = config
         self._engine = engine
         self._running = running
         self._admitted_tokens = admitted_tokens
         self._metrics = metrics
         self._waiters: deque[_Waiter] = deque()
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._waiters)
-
-    def is_waiting(self, request_id: str) -> bool:
-        return any(w.request_id == request_id for w in self._waiters)
 
     def _kept_pages(self) -> int:
         return int(self._config.admission_watermark * self._engine.allocator.num_pages)
@@ -112,6 +78,7 @@ class Admission:
         self._metrics.admission_refusals.labels(reason).inc()
         raise ResourceExhausted(message)
 
+    @locked
     def check_room(self) -> None:
         """The hard cap, checked before anything else: `--max-requests` counts admitted
         requests plus those waiting for admission."""
@@ -120,6 +87,7 @@ class Admission:
             held = "running, queued or reserved" + (" or waiting for admission" if self.queueing else "")
             self._refuse("max_requests", f"{limit} requests are already {held} here (--max-requests); retry later")
 
+    @locked
     def require_fit(self, pages_needed: int, tokens: int) -> None:
         """Raise NotAdmitted unless a request that adds `pages_needed` pages and `tokens`
         tokens (its prompt) to the admitted ones may start now."""
@@ -137,6 +105,7 @@ class Admission:
             raise NotAdmitted("pages", f"the KV pool cannot hold this request now: it needs {pages_needed} pages, "
                               f"{available} are available, {keep} kept for running decodes (--admission-watermark)")
 
+    @locked
     def _check_possible(self, window_pages: int, tokens: int) -> None:
         """Refuse at once what an empty pool would not admit either, rather than queue it forever."""
         total = self._engine.allocator.num_pages
@@ -150,6 +119,7 @@ class Admission:
             self._refuse("too_large", f"this prompt has {tokens} tokens, more than --max-total-tokens {token_cap} "
                          "allows all admitted requests together, so it can never run here: send a shorter prompt")
 
+    @locked
     def admit(self, request_id: str, window_pages: int, tokens: int, attempt: Callable[[], T],
               cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None) -> T:
         """Run `attempt` (which takes the request's pages, or raises NotAdmitted after undoing
@@ -203,6 +173,7 @@ class Admission:
             self._metrics.admission_wait.observe(time.monotonic() - started)
             self._engine.room_made.notify_all()  # the next in line may fit now
 
+    @locked
     def abort(self, request_id: str) -> bool:
         """Make a waiting request give up with ABORTED; False if none waits under that id."""
         for w in self._waiters:

@@ -1,16 +1,13 @@
 """Prometheus metrics of the decode node, in a registry of its own."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.engine.engine import Engine
-from common.serving.pool_metrics import prefix_hit_counter, read_locked, register_pool_gauges
-from common.transports.transfer_metrics import TransferMetrics
-
-if TYPE_CHECKING:
-    from decode_node.reservations import ReservationTable
+from common.engine.core import Engine
+from common.serving.pool_metrics import prefix_hit_counter, register_pool_gauges
+from common.transports.metrics import TransferMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
@@ -18,12 +15,12 @@ _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class DecodeMetrics:
-    def __init__(self, engine: Engine, reservations: ReservationTable) -> None:
+    def __init__(self, engine: Engine, reserved_pages: Callable[[], int], quarantined_pages: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         register_pool_gauges(r, engine)
         Gauge("duet_kv_pages_reserved", "Pages held by reservations not yet claimed by StartGeneration",
-              registry=r).set_function(lambda: read_locked(engine, reservations.reserved_pages))
+              registry=r).set_function(reserved_pages)
         self.requests = Counter("duet_requests", "Finished requests by outcome", ["rpc", "outcome"], registry=r)
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first",
@@ -31,7 +28,7 @@ class DecodeMetrics:
         self.prefix_hit_tokens = prefix_hit_counter(r)
         Gauge("duet_kv_pages_quarantined", "Pages of expired or aborted reservations kept from reuse while "
               "their one-sided writer may still write them", registry=r).set_function(
-            lambda: read_locked(engine, reservations.quarantined_pages))
+            quarantined_pages)
         self.quarantine_expiries = Counter(
             "duet_quarantine_expiries", "Write fences dropped after --quarantine-seconds because the writer never "
             "reported back (a prefill node died or was cut off mid-transfer)", registry=r)

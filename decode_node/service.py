@@ -43,16 +43,10 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
         self.node.tracer.event(request.request_id, "received", rpc="PrepareReceive",
                                prompt_tokens=len(request.token_ids))
         try:
-            p = self.node.prepare_receive(request.request_id, request.token_ids, end,
-                                          cancelled=lambda: not context.is_active(), deadline=_deadline(context))
+            return self.node.prepare_receive(request.request_id, request.token_ids, end,
+                                             cancelled=lambda: not context.is_active(), deadline=_deadline(context))
         except RequestError as exc:
             self._fail(context, "PrepareReceive", exc)
-        return pb.PrepareReceiveResponse(
-            prompt_length=p.prompt_length, prefix_matched_length=p.prefix_matched_length,
-            kv_window_begin=p.kv_window_begin,
-            kv_append_metadata=p.kv_append_metadata, kv_window_end=p.kv_window_end,
-            lease_deadline_unix=p.lease_deadline_unix, transfer_nonce=p.transfer_nonce,
-        )
 
     def GetTransportInfo(self, request: pb.GetTransportInfoRequest, context) -> pb.TransportInfo:
         try:

@@ -11,7 +11,7 @@ import grpc
 from common.errors import FailedPrecondition, InvalidArgument, RequestError, Unavailable
 from common.serving.tls import TlsFiles
 from common.transports import TransferError
-from prefill_node.kv_push import KvPusher
+from common.transports.connector import KvSender
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
@@ -29,10 +29,10 @@ class DecodePeer:
 
 
 class DecodePeers:
-    def __init__(self, fingerprint: pb.CompatibilityFingerprint, pusher: KvPusher, tls: TlsFiles) -> None:
+    def __init__(self, fingerprint: pb.CompatibilityFingerprint, sender: KvSender, tls: TlsFiles) -> None:
         self._fingerprint = fingerprint
         self._tls = tls
-        self._pusher = pusher
+        self._sender = sender
         self._peers: dict[str, DecodePeer] = {}
         self._lock = threading.Lock()
         self._handshake_locks: dict[str, threading.Lock] = {}  # one handshake per address at a time
@@ -56,7 +56,7 @@ class DecodePeers:
             peer = self._peers.pop(address, None)
             if peer is not None:
                 log.info("dropping decode peer", extra={"fields": {"decode_address": address}})
-                self._pusher.disconnect(address)
+                self._sender.disconnect(address)
                 peer.channel.close()
 
     def close(self) -> None:
@@ -68,10 +68,10 @@ class DecodePeers:
             raise InvalidArgument(f"decode_address {address!r} must be host:port")
         channel = self._tls.channel(address)
         stub = duet_pb2_grpc.DecodeNodeStub(channel)
-        request = pb.GetTransportInfoRequest(fingerprint=self._fingerprint, transport=self._pusher.transport)
+        request = pb.GetTransportInfoRequest(fingerprint=self._fingerprint, transport=self._sender.transport)
         try:
             info = stub.GetTransportInfo(request, timeout=HANDSHAKE_TIMEOUT_S)
-            self._pusher.connect(address, info)
+            self._sender.connect(address, info)
         except grpc.RpcError as exc:
             channel.close()
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:

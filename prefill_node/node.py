@@ -7,17 +7,18 @@ import uuid
 
 import grpc
 
-from common.daemon_limits import MAX_REQUEST_ID_LENGTH
-from common.engine.engine import Engine
+from common.daemon_limits import check_prompt, check_request_id
+from common.engine.core import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
-from common.kv.kv_metadata import MetadataError, expand_slots, validate_metadata
+from common.kv.segments import MetadataError, Segments
 from common.model.model import LlamaModel
 from common.serving.fingerprint import fingerprint_of
+from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
-from common.transports.tcp_transport import TransferError
+from common.transports import TransferError, open_sender
+from common.transports.connector import Transfer
 from prefill_node.config import PrefillNodeConfig
-from prefill_node.decode_peers import DecodePeers
-from prefill_node.kv_push import open_pusher
+from prefill_node.decode_peers import DecodePeer, DecodePeers
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.prefill_scheduler import PrefillJob, PrefillScheduler
 from protos.duet.v1 import duet_pb2 as pb
@@ -31,9 +32,9 @@ class PrefillNode:
         self.config = config
         self.engine = Engine(model, config.kv_pages, config.page_size)
         self.fingerprint = fingerprint_of(model, self.engine.pool)
-        self.pusher = open_pusher(config.transport, self.engine.pool,
+        self.sender = open_sender(config.transport, self.engine.pool,
                                   name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
-        self.peers = DecodePeers(self.fingerprint, self.pusher, config.tls)
+        self.peers = DecodePeers(self.fingerprint, self.sender, config.tls)
         self.tracer = Tracer(f"prefill {config.advertise_address}", config.trace_requests)
         self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens, self.tracer)
         self.metrics = PrefillMetrics(self.engine, self.scheduler)
@@ -42,28 +43,21 @@ class PrefillNode:
     def shutdown(self) -> None:
         self.scheduler.stop()
         self.peers.close()
-        self.pusher.close()
+        self.sender.close()
 
     def load(self) -> pb.NodeLoad:
         with self.engine.lock:
-            return pb.NodeLoad(
-                kv_pages_total=self.engine.allocator.num_pages, kv_pages_free=self.engine.allocator.num_free,
-                kv_pages_cached=self.engine.prefix_cache.num_cached_pages,
-                running_requests=self.scheduler.num_jobs(), queued_prefill_tokens=self.scheduler.pending_tokens())
+            return node_load(self.engine, running_requests=self.scheduler.num_jobs(),
+                             queued_prefill_tokens=self.scheduler.pending_tokens())
 
     def _validate(self, req: pb.RemoteSendRequest) -> None:
-        if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_LENGTH:
-            raise InvalidArgument(f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} characters")
+        check_request_id(req.request_id)
         n, begin, end = len(req.token_ids), req.kv_window_begin, req.kv_window_end
         if not 0 <= begin < end < n:
             raise InvalidArgument(f"need 0 <= kv_window_begin < kv_window_end < len(token_ids); got "
                                   f"begin={begin}, end={end}, {n} tokens")
         cfg = self.engine.model.config
-        bad = next((t for t in req.token_ids if not 0 <= t < cfg.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
-        if n >= cfg.max_position_embeddings:
-            raise InvalidArgument(f"the prompt has {n} tokens; the model's context holds {cfg.max_position_embeddings}")
+        check_prompt(req.token_ids, cfg.vocab_size, cfg.max_position_embeddings)
 
     def remote_send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
         """Prefill `token_ids[:end]` and push K/V of `[begin, end)` into the decode node's slots.
@@ -77,28 +71,23 @@ class PrefillNode:
         begin, end = req.kv_window_begin, req.kv_window_end
         metadata = list(req.kv_append_metadata)
         try:  # shape first, before contacting anyone
-            validate_metadata(metadata, end - begin, num_slots=2**62)
+            Segments.from_wire(metadata, end - begin, num_slots=2**62)
         except MetadataError as exc:
             raise InvalidArgument(f"kv_append_metadata: {exc}") from None
         timeout_s = min(timeout_s or self.config.transfer_timeout_seconds, self.config.transfer_timeout_seconds)
         deadline = time.monotonic() + timeout_s
         peer = self.peers.get(req.decode_address)
         try:
-            validate_metadata(metadata, end - begin, num_slots=peer.info.num_slots)
+            dst = Segments.from_wire(metadata, end - begin, num_slots=peer.info.num_slots)
         except MetadataError as exc:
             raise InvalidArgument(f"kv_append_metadata does not fit decode node {req.decode_address}: {exc}") from None
         started = time.perf_counter()
-        try:  # before any byte moves: NIXL writes land wherever they are aimed
-            peer.stub.BeginTransfer(pb.BeginTransferRequest(
-                request_id=req.request_id, transfer_nonce=req.transfer_nonce, kv_append_metadata=metadata),
-                timeout=max(0.1, deadline - time.monotonic()))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.peers.drop(req.decode_address)
-            raise RequestError(f"decode node {req.decode_address}: {exc.details()}", exc.code()) from None
+        # Before any byte moves: NIXL writes land wherever they are aimed.
+        self._call(peer, peer.stub.BeginTransfer, pb.BeginTransferRequest(
+            request_id=req.request_id, transfer_nonce=req.transfer_nonce, kv_append_metadata=metadata), deadline)
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         try:
-            session = self.pusher.open(
+            session = self.sender.open(
                 req.decode_address, req.request_id, req.transfer_nonce, timeout_s,
                 on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done", layer=layer))
         except TransferError as exc:
@@ -107,7 +96,7 @@ class PrefillNode:
             raise Unavailable(str(exc)) from None
         with self.engine.lock:
             seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
-        job = PrefillJob(seq, begin, expand_slots(metadata), session)
+        job = PrefillJob(seq, begin, dst, session)
         cached = seq.num_computed
         self.metrics.prefix_hit_tokens.inc(cached)
         self.tracer.event(req.request_id, "prefix_matched", matched_tokens=cached, prompt_tokens=end)
@@ -126,21 +115,31 @@ class PrefillNode:
             self.metrics.transfers.failed(exc.code.name.lower() if isinstance(exc, RequestError) else "internal")
             raise
         finally:
-            if not ok and session.cancel() and self.pusher.one_sided:
+            if not ok and session.cancel() and self.sender.one_sided:
                 self._abandon(req, peer)
             self.scheduler.release(job, cache=ok)
         done = time.perf_counter()
         self.metrics.observe(end - cached, prefilled - started, done - started)
         pool = self.engine.pool
         nbytes = (end - begin) * 2 * pool.num_layers * pool.slot_bytes()
-        self.metrics.transfers.completed(nbytes, done - (job.first_posted or prefilled), metadata[0])
+        self.metrics.transfers.completed(nbytes, done - (job.first_posted or prefilled), len(dst))
         return pb.RemoteSendResponse(
             tokens_sent=end - begin, tokens_computed=end - cached,
             bytes_sent=nbytes,
             prefill_seconds=prefilled - started, transfer_seconds=done - started,
         )
 
-    def _abandon(self, req: pb.RemoteSendRequest, peer) -> None:
+    def _call(self, peer: DecodePeer, rpc, request, deadline: float) -> None:
+        """One control-plane call to the decode node, within the transfer's deadline; a node
+        that is gone is forgotten, so the next request re-handshakes."""
+        try:
+            rpc(request, timeout=max(0.1, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.peers.drop(peer.address)
+            raise RequestError.from_rpc(exc, f"decode node {peer.address}") from None
+
+    def _abandon(self, req: pb.RemoteSendRequest, peer: DecodePeer) -> None:
         """Tell the decode node that this failed transfer will write nothing more, so it can
         reuse the pages at once instead of holding them until its --quarantine-seconds pass.
         Best effort: when the decode node is unreachable, the quarantine ends it."""
@@ -151,7 +150,7 @@ class PrefillNode:
             log.info("could not report an abandoned transfer", extra={"fields": {
                 "request_id": req.request_id, "error": str(exc)}})
 
-    def _finish_transfer(self, req: pb.RemoteSendRequest, peer, session, deadline: float) -> None:
+    def _finish_transfer(self, req: pb.RemoteSendRequest, peer: DecodePeer, session: Transfer, deadline: float) -> None:
         """Wait for every byte to land, then tell the decode node (request id + nonce)."""
         try:
             with self.tracer.span(req.request_id, "transfer_finished", tokens=req.kv_window_end - req.kv_window_begin):
@@ -162,13 +161,6 @@ class PrefillNode:
                 # instead of reusing a connection that may still carry this transfer's bytes.
                 self.peers.drop(req.decode_address)
             raise RequestError(str(exc), exc.code) from None
-        try:
-            peer.stub.CompleteTransfer(
-                pb.CompleteTransferRequest(request_id=req.request_id, transfer_nonce=req.transfer_nonce),
-                timeout=max(0.1, deadline - time.monotonic()),
-            )
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.peers.drop(req.decode_address)
-            raise RequestError(f"decode node {req.decode_address}: {exc.details()}", exc.code()) from None
+        self._call(peer, peer.stub.CompleteTransfer, pb.CompleteTransferRequest(
+            request_id=req.request_id, transfer_nonce=req.transfer_nonce), deadline)
         self.tracer.event(req.request_id, "completion_sent")

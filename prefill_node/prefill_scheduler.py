@@ -12,38 +12,25 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from common.engine.engine import Engine, Sequence
-from common.engine.engine_loop import EngineLoop
+from common.engine.core import Engine, Sequence
+from common.engine.loop import EngineLoop
 from common.errors import Internal, RequestError, ResourceExhausted, Unavailable
-from common.kv.kv_metadata import encode_segments
 from common.kv.page_allocator import OutOfPages
+from common.kv.segments import Segments, slot_range
 from common.tracing import Tracer
-from common.transports.kv_ranges import Piece, plan_pieces
+from common.transports.connector import Transfer
+from common.transports.pieces import Piece, plan_pieces
 
 log = logging.getLogger(__name__)
-
-
-class TransferSession(Protocol):
-    @property
-    def failed(self) -> bool:
-        """The transfer cannot succeed any more (its prefill can stop early)."""
-
-    def post_layer(self, layer: int, pieces: list[Piece]) -> None: ...
-
-    def finish(self) -> None: ...
-
-    def cancel(self) -> bool:
-        """Stop the transfer; True when none of its writes can still land."""
 
 
 @dataclass
 class PrefillJob:
     seq: Sequence  # this node's sequence for token_ids[:end]
     begin: int
-    dst_slots: list[int]  # destination slot of each position in [begin, end)
-    session: TransferSession
+    dst: Segments  # destination slots of positions [begin, end), on the receiving node
+    session: Transfer
     prefilled: threading.Event = field(default_factory=threading.Event)
     error: RequestError | None = None
     cancelled: bool = False
@@ -58,9 +45,8 @@ class PrefillJob:
         start, stop = max(start, self.begin), min(stop, self.end)
         if start >= stop:
             return []
-        src = engine.pool.slots_for(self.seq.pages, start, stop).tolist()
-        dst = encode_segments(self.dst_slots[start - self.begin : stop - self.begin])
-        return plan_pieces(src, [(dst[1 + 2 * i], dst[2 + 2 * i]) for i in range(dst[0])])
+        src = slot_range(self.seq.pages, engine.page_size, start, stop)
+        return plan_pieces(src, self.dst.window(start - self.begin, stop - self.begin))
 
 
 class PrefillScheduler(EngineLoop):

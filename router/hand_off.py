@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.errors import Unavailable
 from common.model.tokenizer import Tokenizer
+from common.peers.hand_off import hand_off, worth_remote
 from common.peers.membership import Member, Membership
 from common.peers.prefill_pool import PrefillPool
 from common.peers.routing import NodeChooser
@@ -86,10 +87,9 @@ class Router:
 
     def _run(self, dn: Member, cached: int, rid: str, tokens: list[int],
              sampling: pb.SamplingParams) -> Iterator[pb.GenerationChunk]:
-        # A request for prompt logprobs is computed whole on the decode node (its Generate).
-        remote = not sampling.HasField("prompt_logprobs")
-        if remote and self.prefill.healthy() and len(tokens) - 1 - cached >= self.min_remote_prefill_tokens:
-            stream = self._hand_off(dn, rid, tokens, sampling)
+        scoring = sampling.HasField("prompt_logprobs")
+        if worth_remote(len(tokens), cached, self.min_remote_prefill_tokens, scoring, self.prefill):
+            stream = hand_off(rid, tokens, _RpcSteps(dn, rid, tokens, sampling), self.prefill)
             if stream is not None:
                 self.routed.labels("remote").inc()
                 yield from stream
@@ -97,25 +97,31 @@ class Router:
         self.routed.labels("local").inc()
         yield from dn.stub.Generate(pb.GenerateRequest(request_id=rid, token_ids=tokens, sampling=sampling))
 
-    def _hand_off(self, dn: Member, rid: str, tokens: list[int], sampling: pb.SamplingParams):
-        """The three calls; None when the KV did not arrive (the reservation is released)."""
+
+class _RpcSteps:
+    """The hand-off's steps over a decode node's gRPC stub."""
+
+    def __init__(self, dn: Member, rid: str, tokens: list[int], sampling: pb.SamplingParams) -> None:
+        self.decode_address = dn.address
+        self._stub, self._rid, self._tokens, self._sampling = dn.stub, rid, tokens, sampling
+
+    def prepare(self) -> pb.PrepareReceiveResponse | None:
         try:
-            r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=tokens))
+            return self._stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=self._rid, token_ids=self._tokens))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # the decode node's Generate queues instead of refusing
             raise
-        if r.kv_window_end > r.kv_window_begin:
-            pushed = self.prefill.push(pb.RemoteSendRequest(
-                request_id=rid, token_ids=tokens, kv_window_begin=r.kv_window_begin,
-                kv_window_end=r.kv_window_end, kv_append_metadata=r.kv_append_metadata,
-                decode_address=dn.address, transfer_nonce=r.transfer_nonce),
-                lease_deadline_unix=r.lease_deadline_unix)
-            if pushed is None:
-                try:
-                    dn.stub.Abort(pb.AbortRequest(request_id=rid))
-                except grpc.RpcError:
-                    pass  # already expired
-                return None
-        return dn.stub.StartGeneration(pb.StartGenerationRequest(
-            request_id=rid, kv_window_begin=r.kv_window_end, sampling=sampling))
+
+    def still_wanted(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        try:
+            self._stub.Abort(pb.AbortRequest(request_id=self._rid))
+        except grpc.RpcError:
+            pass  # already expired
+
+    def start(self, kv_window_begin: int) -> Iterator[pb.GenerationChunk]:
+        return self._stub.StartGeneration(pb.StartGenerationRequest(
+            request_id=self._rid, kv_window_begin=kv_window_begin, sampling=self._sampling))

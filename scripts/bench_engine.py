@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
 from common.model.model import LlamaModel

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.speculative import SpeculativeConfig

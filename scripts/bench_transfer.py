@@ -12,14 +12,14 @@ enough, and *churned*: real reservations of a decode node after thousands of mix
 docs/bench/churned_layouts.json; one reservation as the source, a later one as the destination,
 in pools of the churned node's size). All five methods move the same bytes:
 
-- NIXL path: the product code. ``NixlPusher`` (prefill_node/nixl_push.py) opens a session, the
+- NIXL path: the product code. ``NixlSender`` (common/transports/nixl/sender.py) opens a transfer, the
   pieces are posted per layer (one prepared NIXL WRITE of page indices per layer, from the sender
   thread) and ``finish`` waits for all; the decode process runs the decode node's
-  ``NixlEndpoint`` (pool registered once, progress thread polling as while a transfer is due).
+  ``NixlReceiver`` (pool registered once, progress thread polling as while a transfer is due).
   Also reported: the sender thread's CPU time posting one transfer (with UCX shared memory the
   copy itself happens inside the post).
-- TCP: the same pieces through ``TcpPusher`` / ``TcpKvSession`` into the decode node's
-  ``TcpEndpoint`` (``TcpKvReceiver``), whose authorizer grants the reservation's real segments.
+- TCP: the same pieces through ``TcpSender`` / ``TcpTransfer`` into the decode node's
+  ``TcpReceiver``, admitted to a window of the reservation's real segments.
 - TCP socket: the limit of TCP, one connection per transfer sending the bytes as one contiguous
   buffer (``sendall``) into one contiguous buffer (``recv_into``) of the decode process.
 - memcpy: ``torch`` ``copy_`` of one contiguous buffer of the same size, in this process: the limit.
@@ -71,14 +71,15 @@ from pathlib import Path
 
 import torch
 
-from common.kv.kv_metadata import decode_segments, encode_segments
-from common.kv.kv_pool import KVPool
+from common.kv.page_allocator import PageAllocator
+from common.kv.segments import Segments
+from common.kv.pool import KVPool
 from common.serving.dtype_choice import resolve_dtype
-from common.transports.kv_ranges import Piece, plan_pieces
-from common.transports.nixl_transport import NixlInitiator
-from common.transports.tcp_transport import WriteGrant
-from decode_node.kv_endpoint import open_endpoint
-from prefill_node.kv_push import KvPusher, open_pusher
+from common.transports.pieces import Piece, plan_pieces
+from common.transports import open_receiver, open_sender
+from common.transports.connector import KvSender, WriteWindow
+from common.transports.fences import WriteFences
+from common.transports.nixl.initiator import NixlInitiator
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, decode_node, prefill_node
@@ -91,7 +92,7 @@ def bytes_per_token(dtype: torch.dtype) -> int:
     """K and V of one position over all layers in pools of `dtype` (23,040 in bf16)."""
     return BYTES_PER_TOKEN // 4 * torch.empty(0, dtype=dtype).element_size()
 TRANSFER_TIMEOUT_S = 60.0
-PEER = "bench-decode"  # the pushers' key for the decode process
+PEER = "bench-decode"  # the senders' key for the decode process
 RAW_GOAL, MEMCPY_GOAL, SOCKET_GOAL, TTFT_GOAL = 0.8, 0.45, 0.7, 1.05
 CHURNED_LAYOUTS = Path(__file__).resolve().parent.parent / "docs" / "bench" / "churned_layouts.json"
 _LENGTH = struct.Struct("<Q")
@@ -139,16 +140,19 @@ def verdict(ok: bool) -> str:
 
 def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int]], transports: tuple[str, ...],
                  dtype: torch.dtype, device: str) -> None:
-    """Host a decode-shaped pool behind the decode node's endpoints of `transports`; answer
+    """Host a decode-shaped pool behind the decode node's receivers of `transports`; answer
     "clear" (zero the pool) and "digest" (hash of the reserved slots in position order)."""
     pool = KVPool(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_pages, PAGE_SIZE, dtype, device)
     slots = torch.tensor([s for start, n in segments for s in range(start, start + n)], device=device)
 
-    def authorize(request_id: str, nonce: int) -> WriteGrant:
-        return WriteGrant(segments, lambda: None)
-
-    endpoints = [open_endpoint(t, pool, authorize, "127.0.0.1", "", name=f"{PEER}-{os.getpid()}",
+    allocator, lock = PageAllocator(num_pages), threading.RLock()
+    window = WriteWindow("bench", 0, Segments(tuple(segments)), tuple(allocator.allocate(num_pages)), lambda: True)
+    fences = WriteFences(allocator, lock, quarantine_seconds=60.0)
+    endpoints = [open_receiver(t, pool, fences, "127.0.0.1", "", name=f"{PEER}-{os.getpid()}",
                                transfers_pending=lambda: True) for t in transports]
+    for e in endpoints:
+        if e.transport == "tcp":  # the one transfer every round makes; NIXL writes unwatched
+            e.admit(window)
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_plain_receiver, args=(listener, bytearray(len(slots) * bytes_per_token(dtype))),
                      daemon=True).start()
@@ -209,7 +213,7 @@ def digest(t: torch.Tensor) -> str:
 def decode_process(num_pages: int, segments: list[tuple[int, int]], transports: tuple[str, ...] = ("nixl", "tcp"),
                    dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> Iterator[tuple[Connection, list[pb.TransportInfo], int]]:
-    """The decode process, the infos of its `transports` endpoints (a pool of `dtype` on
+    """The decode process, the infos of its `transports` receivers (a pool of `dtype` on
     `device`) and the port of its plain-socket receiver; always stopped on exit."""
     ours, theirs = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_decode_side, daemon=True,
@@ -218,7 +222,7 @@ def decode_process(num_pages: int, segments: list[tuple[int, int]], transports: 
     theirs.close()  # so that a crashed child reads as EOF here
     try:
         if not ours.poll(120):
-            raise TimeoutError("the decode process did not publish its endpoints within 120 s")
+            raise TimeoutError("the decode process did not publish its receivers within 120 s")
         infos, port = ours.recv()
         yield ours, [pb.TransportInfo.FromString(b) for b in infos], port
     finally:
@@ -250,14 +254,14 @@ def scattered_layout(tokens: int, seed: int) -> Layout:
     pages = list(range(tokens // PAGE_SIZE))
     src_pages, dst_pages = rng.sample(pages, len(pages)), rng.sample(pages, len(pages))
     src_slots, dst_slots = slots_of(src_pages), slots_of(dst_pages)
-    dst_segments = decode_segments(encode_segments(dst_slots))
-    return Layout(src_slots, dst_segments, plan_pieces(src_slots, dst_segments), len(pages))
+    dst_segments = list(Segments.of_slots(dst_slots).runs)
+    return Layout(src_slots, dst_segments, plan_pieces(src_slots, Segments(tuple(dst_segments))), len(pages))
 
 
 def contiguous_layout(tokens: int, seed: int) -> Layout:
     """Consecutive pages on both sides, as a fresh pool's allocator gives them."""
     slots = list(range(tokens))
-    return Layout(slots, [(0, tokens)], plan_pieces(slots, [(0, tokens)]), tokens // PAGE_SIZE)
+    return Layout(slots, [(0, tokens)], plan_pieces(slots, Segments(((0, tokens),))), tokens // PAGE_SIZE)
 
 
 def churned_layout(tokens: int, seed: int, path: Path = CHURNED_LAYOUTS) -> Layout | None:
@@ -269,7 +273,7 @@ def churned_layout(tokens: int, seed: int, path: Path = CHURNED_LAYOUTS) -> Layo
         return None
     src_slots = [s for start, n in pair["src_segments"] for s in range(start, start + n)]
     dst_segments = [(start, n) for start, n in pair["dst_segments"]]
-    return Layout(src_slots, dst_segments, plan_pieces(src_slots, dst_segments), saved["num_pages"])
+    return Layout(src_slots, dst_segments, plan_pieces(src_slots, Segments(tuple(dst_segments))), saved["num_pages"])
 
 
 LAYOUTS = {"contiguous": contiguous_layout, "scattered": scattered_layout, "churned": churned_layout}
@@ -279,9 +283,9 @@ def slots_of(pages: list[int]) -> list[int]:
     return [p * PAGE_SIZE + o for p in pages for o in range(PAGE_SIZE)]
 
 
-def push_all_layers(pusher: KvPusher, layout: Layout, sessions: list | None = None) -> None:
+def push_all_layers(sender: KvSender, layout: Layout, sessions: list | None = None) -> None:
     """One transfer as RemoteSend makes it: open, post every layer's pieces, finish."""
-    session = pusher.open(PEER, "bench", 0, TRANSFER_TIMEOUT_S)
+    session = sender.open(PEER, "bench", 0, TRANSFER_TIMEOUT_S)
     for layer in range(NUM_LAYERS):
         session.post_layer(layer, layout.pieces)
     session.finish()
@@ -314,7 +318,7 @@ def check_lands(conn: Connection, move: Callable[[], None], expected: str, what:
 @contextmanager
 def transfer_methods(src: KVPool, layout: Layout, name: str,
                      nixl_sessions: list | None = None) -> Iterator[tuple[Connection, dict[str, Callable[[], None]]]]:
-    """A decode process (its pool like `src`'s, both endpoints open) and the ways to move `src`'s
+    """A decode process (its pool like `src`'s, both receivers open) and the ways to move `src`'s
     KV for `layout` into it: the NIXL path and TCP as RemoteSend uses them (the NIXL sessions
     appended to `nixl_sessions`), and one raw NIXL write of a contiguous range of the same size.
     Everything is closed on exit."""
@@ -322,10 +326,10 @@ def transfer_methods(src: KVPool, layout: Layout, name: str,
     with ExitStack() as stack:
         conn, (nixl_info, tcp_info), socket_port = stack.enter_context(decode_process(
             layout.num_pages, layout.dst_segments, ("nixl", "tcp"), src.data.dtype, src.data.device.type))
-        nixl = open_pusher("nixl", src, f"{name}-prefill")
+        nixl = open_sender("nixl", src, f"{name}-prefill")
         stack.callback(nixl.close)
         nixl.connect(PEER, nixl_info)
-        tcp = open_pusher("tcp", src, "")
+        tcp = open_sender("tcp", src, "")
         stack.callback(tcp.close)
         tcp.connect(PEER, tcp_info)
         raw = stack.enter_context(NixlInitiator(f"{name}-raw", src.data))

@@ -16,8 +16,8 @@ Run it through scripts/gpu_check.sh (it prepares the venv) on a machine with an 
    node does (same near-tie allowance), and every prompt went through the prefill node; the
    prompts sent at once (one padded decode batch) give what they give alone; a seeded sampled
    request repeats exactly.
-4. bandwidth: KV moved between two processes' VRAM pools by the NIXL path (prefill_node's
-   NixlPusher into decode_node's NixlEndpoint, per layer, as RemoteSend does; contiguous and
+4. bandwidth: KV moved between two processes' VRAM pools by the NIXL path (the
+   NixlSender into a NixlReceiver, per layer, as RemoteSend does; contiguous and
    scattered pages; checked to land), by the TCP path (gathered on the GPU, staged through
    pinned host memory on both sides; checked to land) and by one raw NIXL write of the same
    bytes, in GB/s, against a device-to-device `copy_` of the same bytes.
@@ -48,8 +48,9 @@ from pathlib import Path
 
 import torch
 
-from common.engine.engine import Engine
-from common.kv.kv_pool import KVPool
+from common.engine.core import Engine
+from common.kv.pool import KVPool
+from common.kv.segments import slot_range
 from common.model.default_model import default_model_path
 from common.model.model import LlamaModel
 from common.model.tokenizer import Tokenizer, load_tokenizer
@@ -134,7 +135,7 @@ def check_kernels(report: Report, quick: bool) -> None:
             pool = KVPool(2, heads, head_dim, num_pages=256, page_size=PAGE_SIZE, dtype=dtype, device="cuda")
             pool.data.normal_()
             pages = torch.randperm(256, generator=g)[:48].tolist()
-            slots = pool.slots_for(pages, 5, 5 + 700).cuda()  # starts mid-page, crosses 44 pages
+            slots = slot_range(pages, pool.page_size, 5, 5 + 700).cuda()  # starts mid-page, crosses 44 pages
             src = torch.randn(2, slots.numel(), heads, head_dim, generator=g).to("cuda", dtype)
             ours, theirs = pool.data[1].clone(), pool.data[1].clone()
             ops.scatter_to_slots(ours, src, slots)

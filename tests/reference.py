@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from common.model.model import LlamaModel
 
 # Daemon flags of tests that compare tokens with the float32 references below (the daemons'

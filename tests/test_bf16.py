@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
 from tests.reference import FP32, hf_greedy

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.kv.kv_pool import KVPool
+from common.kv.pool import KVPool
+from common.kv.segments import slot_range
 from common.serving.daemon_config import check_device
 from cuda import extension
 from cuda.paged_kv import (DTYPES, gather_from_slots, scatter_to_slots, torch_gather_from_slots,
@@ -35,7 +36,7 @@ def _pool(dtype: torch.dtype, heads: int = 3, head_dim: int = 8, device: str = "
 
 def _slot_cases(pool: KVPool) -> dict[str, torch.Tensor]:
     return {
-        "page-crossing run": pool.slots_for(PAGE_TABLE, START, END),
+        "page-crossing run": slot_range(PAGE_TABLE, pool.page_size, START, END),
         "random distinct": torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(2))[:17],
         "empty": torch.zeros(0, dtype=torch.long),
     }
@@ -74,7 +75,7 @@ def test_fallback_scatter_and_gather_match_a_naive_reference(dtype):
 ])
 def test_bad_operands_are_refused_before_any_write(bad, message):
     pool = _pool(torch.float32)
-    slots = pool.slots_for(PAGE_TABLE, START, END)
+    slots = slot_range(PAGE_TABLE, pool.page_size, START, END)
     layer, src, slots = bad(pool.data[1], torch.randn(2, slots.numel(), 3, 8), slots)
     before = layer.clone()
     with pytest.raises(ValueError, match=message):

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.kv.kv_metadata import expand_slots
+from common.kv.segments import expand_slots
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
 from tests.reference import FP32, hf_greedy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from common.model.checkpoint import load_checkpoint
 from common.model.model import LlamaModel
 from common.serving import dtype_choice

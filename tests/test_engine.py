@@ -6,8 +6,9 @@ import random
 import pytest
 import torch
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from common.kv.page_allocator import OutOfPages
+from common.kv.segments import slot_range
 from tests.reference import engine_greedy
 from tests.test_model_vs_transformers import full_logits
 
@@ -33,8 +34,8 @@ def test_chunked_prefill_equals_one_shot(model):
         got = engine.forward([(chunked, n)])[0]
     assert torch.allclose(got, expected, atol=1e-4)
     # Both sequences hold the same K/V for the same positions.
-    a = engine.pool.slots_for(one.pages, 0, len(ids))
-    b = engine.pool.slots_for(chunked.pages, 0, len(ids))
+    a = slot_range(one.pages, engine.pool.page_size, 0, len(ids))
+    b = slot_range(chunked.pages, engine.pool.page_size, 0, len(ids))
     assert torch.allclose(engine.pool.data[:, :, a], engine.pool.data[:, :, b], atol=1e-4)
 
 
@@ -92,15 +93,15 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(model):
     assert child.pages[:2] == parent.pages[:2] and child.pages[2] != parent.pages[2]
     assert [engine.allocator.refcount(p) for p in parent.pages + child.pages[2:]] == [2, 2, 1, 1]
     pool = engine.pool
-    assert torch.equal(pool.data[:, :, pool.slots_for(child.pages, 0, 40)],
-                       pool.data[:, :, pool.slots_for(parent.pages, 0, 40)])
+    assert torch.equal(pool.data[:, :, slot_range(child.pages, pool.page_size, 0, 40)],
+                       pool.data[:, :, slot_range(parent.pages, pool.page_size, 0, 40)])
 
     # Each continues with a token of its own; the child's writes leave the parent's page alone.
-    parent_page = pool.data[:, :, pool.slots_for(parent.pages, 32, 48)].clone()
+    parent_page = pool.data[:, :, slot_range(parent.pages, pool.page_size, 32, 48)].clone()
     child.token_ids.append(222)
     engine.reserve(child, 41)
     child_logits = engine.forward([(child, 1)])[0]
-    assert torch.equal(pool.data[:, :, pool.slots_for(parent.pages, 32, 48)], parent_page)
+    assert torch.equal(pool.data[:, :, slot_range(parent.pages, pool.page_size, 32, 48)], parent_page)
     parent.token_ids.append(111)
     engine.reserve(parent, 41)
     parent_logits = engine.forward([(parent, 1)])[0]

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
-from common.kv.kv_metadata import expand_slots
+from common.kv.segments import expand_slots
 from common.serving.fingerprint import fingerprint_of
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc

@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from common.engine.engine import Engine
-from common.kv.kv_metadata import expand_slots
+from common.engine.core import Engine
+from common.kv.segments import MetadataError, Segments, slot_range
 from decode_node.config import DecodeNodeConfig
 from decode_node.node import DecodeNode
 from decode_node.service import DecodeNodeService
@@ -51,7 +51,7 @@ def test_received_kv_equals_locally_computed(in_process_decode_node, model, tmp_
     seq = local.new_sequence("local", prompt[:-1] + [0], use_prefix_cache=False)
     local.reserve(seq, 299)
     local.forward([(seq, 299)])
-    expected = local.pool.data[:, :, local.pool.slots_for(seq.pages, 0, 299)]
+    expected = local.pool.data[:, :, slot_range(seq.pages, local.pool.page_size, 0, 299)]
     assert received.abs().sum() > 0
     torch.testing.assert_close(received, expected, atol=1e-5, rtol=1e-5)
     node.abort("kv")

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from common.kv.block_hashes import ROOT_HASH, block_hashes, chain_hash
-from common.kv.kv_events import KvEventLog
+from common.kv.events import KvEventLog
 from common.kv.page_allocator import PageAllocator
 from common.kv.prefix_cache import PrefixCache
 

@@ -6,9 +6,9 @@ import grpc
 import pytest
 import torch
 
-from common.kv.kv_pool import KVPool
+from common.kv.pool import KVPool
 from common.transports import TransferError
-from common.transports.kv_ranges import Piece
+from common.transports.pieces import Piece
 from prefill_node import nixl_push
 from prefill_node.nixl_push import NixlSession, _Peer
 

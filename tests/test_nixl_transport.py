@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from common.transports.nixl_transport import nixl_available, nixl_unavailable_reason
+from common.transports.nixl.agent import nixl_available, nixl_unavailable_reason
 
 if not nixl_available():
     pytest.skip(nixl_unavailable_reason() or "NIXL cannot be imported", allow_module_level=True)
@@ -65,7 +65,7 @@ def _expected_pool(plan) -> torch.Tensor:
 
 def _target_main(conn) -> None:
     """Register a zeroed pool, publish it, forward notifications with a byte-exact check."""
-    from common.transports.nixl_transport import NixlTarget
+    from common.transports.nixl.target import NixlTarget
 
     pool = torch.zeros(POOL_BYTES, dtype=torch.uint8)
     target = NixlTarget(TARGET, pool)
@@ -87,7 +87,7 @@ def _target_main(conn) -> None:
 
 def _initiator_main(conn) -> None:
     """Run commands from the parent; every reply is ("ok", value) or ("err", type, code, msg)."""
-    from common.transports.nixl_transport import NixlInitiator, TransferError
+    from common.transports.nixl.initiator import NixlInitiator, TransferError
 
     src = _source()
     ini = NixlInitiator(INITIATOR, src)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from common.kv.block_hashes import block_hashes
-from common.kv.kv_events import KvEventLog
+from common.kv.events import KvEventLog
 from common.kv.page_allocator import OutOfPages, PageAllocator
 from common.kv.prefix_cache import PrefixCache
 

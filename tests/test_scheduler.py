@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Chunk, RequestHandle, Scheduler, Usage
 from tests.reference import engine_greedy

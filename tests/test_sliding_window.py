@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.engine.attention_window import with_attention_sinks
-from common.engine.engine import Engine
+from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.model.checkpoint import Checkpoint, load_checkpoint

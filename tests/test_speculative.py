@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from common.engine.engine import Engine, Sequence
+from common.engine.core import Engine, Sequence
 from common.engine.guided import GrammarCompiler
 from common.engine.ngram_proposer import propose_ngram
 from common.engine.sampling import Draw, SamplingParams

@@ -51,7 +51,7 @@ def test_scheduler_chunks_prompts_next_to_decodes(model, tokenizer) -> None:
     running alone."""
     import random
 
-    from common.engine.engine import Engine
+    from common.engine.core import Engine
     from common.engine.sampling import SamplingParams
     from common.engine.scheduler import Scheduler
     from tests.reference import engine_greedy

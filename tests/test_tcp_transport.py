@@ -1,4 +1,4 @@
-"""The TCP fallback's receiver: bytes land in exactly the granted slots; anything else is refused.
+"""The TCP transport's receiver: bytes land in exactly the admitted window's slots; anything else is refused.
 
 Each test runs three times: reading and writing the pool in place (a pool in host memory, long
 runs), staged through host buffers, the path of a pool in GPU memory (here on the CPU: gather,
@@ -6,25 +6,32 @@ staging copies and offsets are the same; pinning and the CUDA event are what onl
 and a host pool's short runs (gathered into one buffer, received into one and scattered)."""
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import pytest
 import torch
 
-from common.errors import NotFound
-from common.kv.kv_pool import KVPool
+from common.kv.page_allocator import PageAllocator
+from common.kv.pool import KVPool
+from common.kv.segments import Segments
 from common.transports import TransferError
-from common.transports import tcp_transport
-from common.transports.kv_ranges import Piece
-from common.transports.tcp_transport import TcpKvReceiver, TcpKvSession, WriteGrant
+from common.transports.connector import WriteWindow
+from common.transports.fences import WriteFences
+from common.transports.pieces import Piece
+from common.transports.tcp import receiver as tcp_receiver
+from common.transports.tcp import sender as tcp_sender
+from common.transports.tcp.receiver import TcpReceiver
+from common.transports.tcp.sender import TcpTransfer
 
 
 @pytest.fixture(autouse=True, params=["in-place", "staged", "short-runs"])
 def staged(request, monkeypatch) -> bool:
-    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: request.param == "staged")
-    if request.param == "in-place":  # these runs are short: send and receive them in place all the same
-        monkeypatch.setattr(tcp_transport, "_STAGE_BELOW", 0)
+    for module in (tcp_receiver, tcp_sender):
+        monkeypatch.setattr(module, "through_host", lambda pool: request.param == "staged")
+        if request.param == "in-place":  # these runs are short: send and receive them in place all the same
+            monkeypatch.setattr(module, "STAGE_BELOW", 0)
     return request.param == "staged"
 
 
@@ -34,22 +41,22 @@ def _pools():
     return src, KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_pages=8, page_size=4)
 
 
-def _receiver(dst: KVPool, segments, unpinned: list) -> TcpKvReceiver:
-    def authorize(request_id: str, nonce: int) -> WriteGrant:
-        if (request_id, nonce) != ("r", 7):
-            raise NotFound(f"no reservation {request_id!r}")
-        return WriteGrant(segments, lambda: unpinned.append(request_id))
-
-    return TcpKvReceiver(dst, authorize)
+def _receiver(dst: KVPool, segments) -> tuple[TcpReceiver, PageAllocator]:
+    """A receiver with window ("r", 7) of `segments` admitted (on every page of `dst`), and the
+    allocator whose reference counts show its fence: 2 while a connection writes, else 1."""
+    allocator = PageAllocator(dst.num_pages)
+    pages = allocator.allocate(dst.num_pages)
+    receiver = TcpReceiver(dst, WriteFences(allocator, threading.RLock(), quarantine_seconds=60))
+    receiver.admit(WriteWindow("r", 7, Segments(tuple(segments)), tuple(pages), alive=lambda: True))
+    return receiver, allocator
 
 
 def test_pieces_land_in_the_granted_slots():
     src, dst = _pools()
-    unpinned: list = []
-    receiver = _receiver(dst, [(20, 5), (4, 3)], unpinned)
+    receiver, allocator = _receiver(dst, [(20, 5), (4, 3)])
     try:
         pieces = [Piece(0, 20, 5), Piece(9, 4, 3)]
-        session = TcpKvSession(receiver.address, src, "r", 7)
+        session = TcpTransfer(receiver.address, src, "r", 7)
         for layer in range(3):
             session.post_layer(layer, pieces)
         session.finish()
@@ -59,25 +66,26 @@ def test_pieces_land_in_the_granted_slots():
         untouched = torch.ones(dst.num_slots, dtype=torch.bool)
         untouched[20:25] = untouched[4:7] = False
         assert not dst.data[:, :, untouched].any()
-        # The pin is dropped once the writer is done (by the receiver, just after its reply).
+        # The fence is lifted once the writer is done (by the receiver, just after its reply).
         deadline = time.monotonic() + 5
-        while not unpinned and time.monotonic() < deadline:
+        while allocator.refcount(0) != 1 and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert unpinned == ["r"]
+        assert {allocator.refcount(p) for p in range(dst.num_pages)} == {1}
     finally:
         receiver.close()
 
 
 @pytest.mark.parametrize("request_id, nonce, pieces, code", [
-    ("r", 8, [Piece(0, 20, 5)], grpc.StatusCode.NOT_FOUND),
+    ("q", 7, [Piece(0, 20, 5)], grpc.StatusCode.NOT_FOUND),
+    ("r", 8, [Piece(0, 20, 5)], grpc.StatusCode.PERMISSION_DENIED),  # not the window's nonce
     ("r", 7, [Piece(0, 21, 5)], grpc.StatusCode.PERMISSION_DENIED),  # one slot past the grant
     ("r", 7, [Piece(0, 2, 3)], grpc.StatusCode.PERMISSION_DENIED),
 ])
 def test_writes_outside_the_grant_are_refused(request_id, nonce, pieces, code):
     src, dst = _pools()
-    receiver = _receiver(dst, [(20, 5), (4, 3)], [])
+    receiver, _ = _receiver(dst, [(20, 5), (4, 3)])
     try:
-        session = TcpKvSession(receiver.address, src, request_id, nonce)
+        session = TcpTransfer(receiver.address, src, request_id, nonce)
         session.post_layer(0, pieces)
         with pytest.raises(TransferError) as info:
             session.finish()
@@ -90,7 +98,7 @@ def test_writes_outside_the_grant_are_refused(request_id, nonce, pieces, code):
 def test_unreachable_receiver_is_unavailable():
     src, _ = _pools()
     with pytest.raises(TransferError) as info:
-        TcpKvSession("127.0.0.1:1", src, "r", 7)
+        TcpTransfer("127.0.0.1:1", src, "r", 7)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
@@ -100,12 +108,12 @@ def test_a_failed_device_copy_fails_the_transfer(monkeypatch):
     def broken_copy():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(tcp_transport, "_through_host", lambda pool: True)
-    monkeypatch.setattr(tcp_transport, "_stage_on_host", lambda pool, layer, pieces: (torch.ones(2, 5, 2, 4), broken_copy))
+    monkeypatch.setattr(tcp_sender, "through_host", lambda pool: True)
+    monkeypatch.setattr(tcp_sender, "stage_on_host", lambda pool, layer, pieces: (torch.ones(2, 5, 2, 4), broken_copy))
     src, dst = _pools()
-    receiver = _receiver(dst, [(20, 5)], [])
+    receiver, _ = _receiver(dst, [(20, 5)])
     try:
-        session = TcpKvSession(receiver.address, src, "r", 7, timeout_s=5)
+        session = TcpTransfer(receiver.address, src, "r", 7, timeout_s=5)
         session.post_layer(0, [Piece(0, 20, 5)])
         with pytest.raises(TransferError, match="illegal memory access"):
             session.finish()
@@ -119,10 +127,10 @@ def test_frames_of_changing_sizes_land_exactly():
     must not misplace rows."""
     src, dst = _pools()
     segments = [(0, 8), (12, 4), (20, 8)]
-    receiver = _receiver(dst, segments, [])
+    receiver, _ = _receiver(dst, segments)
     try:
         per_layer = [[Piece(0, 0, 8), Piece(9, 12, 4), Piece(16, 20, 8)], [Piece(4, 20, 3)], [Piece(1, 1, 6)]]
-        session = TcpKvSession(receiver.address, src, "r", 7)
+        session = TcpTransfer(receiver.address, src, "r", 7)
         for layer, pieces in enumerate(per_layer):
             session.post_layer(layer, pieces)
         session.finish()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from common.transports.nixl_transport import nixl_unavailable_reason
+from common.transports.nixl.agent import nixl_unavailable_reason
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.netns_hosts import (ROOT, UCX_TCP_PORT_RANGE, Host, NetnsDaemon, Network, die_with_parent,

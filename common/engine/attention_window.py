@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from common.kv.segments import RELEASED
 from common.model.checkpoint import Checkpoint
 from common.model.model_config import ModelConfig
 
-RELEASED = -1  # a page-table entry whose page went back to the allocator
 
 
 @dataclass(frozen=True)
@@ -73,15 +73,6 @@ class AttentionWindow:
         first = -(-self.sinks // page_size)  # the first entry without a sink
         last = before // page_size  # entries below it end at or before `before`
         return [i for i in range(first, min(last, len(pages))) if pages[i] != RELEASED]
-
-
-def slots_at(pages: Sequence[int], page_size: int, positions: torch.Tensor) -> torch.Tensor:
-    """Slot indices of `positions` of a sequence whose page table is `pages`; refuses a position
-    on a released entry, which would read another sequence's K/V."""
-    table = torch.tensor(pages, dtype=torch.long)[positions // page_size]
-    if bool((table == RELEASED).any()):
-        raise RuntimeError("attention would read a released KV page: the window bookkeeping is wrong")
-    return table * page_size + positions % page_size
 
 
 def with_attention_sinks(ckpt: Checkpoint, sinks: int) -> Checkpoint:

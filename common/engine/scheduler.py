@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.engine import Engine, Sequence
-from common.engine.engine_loop import EngineLoop
+from common.engine.core import Engine, Sequence
+from common.engine.loop import EngineLoop
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
 from common.engine.step_budget import StepBudget
@@ -157,7 +158,10 @@ class RequestHandle:
 class Scheduler(EngineLoop):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
                  tracer: Tracer | None = None, max_step_ms: float | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 on_finished: Callable[[str, str], None] = lambda request_id, reason: None) -> None:
+        """`on_finished(request_id, finish_reason)` runs, with the lock held, when a request's
+        last sample ends."""
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         super().__init__(engine, name="scheduler")
@@ -166,6 +170,7 @@ class Scheduler(EngineLoop):
         self.max_batch_tokens = max_batch_tokens
         self.step_budget = StepBudget(max_step_ms)  # bounds the prompt tokens a step carries next to decodes
         self.speculator = Speculator(speculative or SpeculativeConfig())
+        self._on_finished = on_finished
         self._active: list[_Request] = []  # admission order
         self._aborts: set[str] = set()
 
@@ -431,6 +436,7 @@ class Scheduler(EngineLoop):
             usage = Usage(group.prompt_len, group.completion_tokens, group.cached_tokens)
             self.tracer.event(r.request_id, "finished", finish_reason=reason,
                               completion_tokens=group.completion_tokens)
+            self._on_finished(r.request_id, reason)
         group.outputs.put(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
                                 group.take_prompt_logprobs()))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.engine import Sequence
+from common.engine.core import Sequence
 from common.engine.ngram_proposer import propose_ngram
 from common.engine.sampling import Draw, Sampler, SamplingParams
 

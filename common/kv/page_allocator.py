@@ -11,13 +11,13 @@ a sequence that grows (a reservation after a matched prefix, decode appends) sta
 
 Among extents of the best-fitting length the one freed longest ago is used first. Reuse order
 is not what protects a page from a late one-sided writer: those pages stay allocated under a
-write fence (decode_node/write_fences.py) until the writer is provably done.
+write fence (common/transports/fences.py) until the writer is provably done.
 """
 from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class OutOfPages(Exception):
@@ -31,12 +31,13 @@ class OutOfPages(Exception):
 
 class PageAllocator:
     """Hands out page ids in `[0, num_pages)`; a page returns to the free extents when its
-    reference count drops to zero."""
+    reference count drops to zero, and then `on_free()` runs (the engine wakes admission)."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, on_free: Callable[[], None] = lambda: None) -> None:
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
+        self._on_free = on_free
         self._refcount = [0] * num_pages
         self._num_free = 0
         self._length_at: dict[int, int] = {}  # first page of a free extent -> its length
@@ -96,6 +97,8 @@ class PageAllocator:
             if self._refcount[p] == 0:
                 self._free_page(p)
                 freed.append(p)
+        if freed:
+            self._on_free()
         return freed
 
     def _free_page(self, page: int) -> None:

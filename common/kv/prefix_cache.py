@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from common.kv.block_hashes import ROOT_HASH, chain_hash
-from common.kv.kv_events import KvEventLog
+from common.kv.events import KvEventLog
 from common.kv.page_allocator import OutOfPages, PageAllocator
 
 _HeapEntry = tuple[int, int, "_Node"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.kv.kv_pool import KVPool
+from common.kv.pool import KVPool
 from common.model.checkpoint import Checkpoint
 from common.model.packed_linear import Linear
 from common.model.paged_attention import AttentionPlan, SequenceSlice, attend, grouped_query_attention, kernel_enabled

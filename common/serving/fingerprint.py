@@ -2,7 +2,7 @@
 node that agrees on every field."""
 from __future__ import annotations
 
-from common.kv.kv_pool import LAYOUT_VERSION, KVPool
+from common.kv.pool import LAYOUT_VERSION, KVPool
 from common.model.model import LlamaModel
 from protos.duet.v1 import duet_pb2 as pb
 

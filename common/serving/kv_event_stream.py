@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from common.daemon_limits import MAX_REQUEST_ID_LENGTH
-from common.kv.kv_events import KvChange, KvEventLog
+from common.kv.events import KvChange, KvEventLog
 from protos.duet.v1 import duet_pb2 as pb
 
 MAX_WATCHERS = 64  # concurrent streams per node; more are RESOURCE_EXHAUSTED

@@ -1,11 +1,12 @@
-"""KV pool and prefix cache metrics every node exports."""
+"""KV pool and prefix cache metrics every node exports, and the load it reports (GetLoad)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
+from protos.duet.v1 import duet_pb2 as pb
 
 
 def read_locked(engine: Engine, read: Callable[[], float]) -> float:
@@ -29,3 +30,11 @@ def register_pool_gauges(registry: CollectorRegistry, engine: Engine) -> None:
 
 def prefix_hit_counter(registry: CollectorRegistry) -> Counter:
     return Counter("duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=registry)
+
+
+def node_load(engine: Engine, **requests: int) -> pb.NodeLoad:
+    """GetLoad's answer: the pool's pages read under the engine lock, plus the node's own
+    request counts (`running_requests`, `queued_requests`, ... as NodeLoad names them)."""
+    with engine.lock:
+        return pb.NodeLoad(kv_pages_total=engine.allocator.num_pages, kv_pages_free=engine.allocator.num_free,
+                           kv_pages_cached=engine.prefix_cache.num_cached_pages, **requests)

@@ -4,7 +4,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.transports.kv_ranges import Piece, page_blocks, plan_pages, plan_pieces
+from common.kv.segments import Segments
+from common.transports.pieces import Piece, page_blocks, plan_pages, plan_pieces
 
 PAGE = 4
 
@@ -32,7 +33,7 @@ def transfers(draw) -> tuple[list[int], list[tuple[int, int]]]:
 @given(transfers())
 def test_pages_and_edges_cover_every_slot_once_with_edges_only_off_page_boundaries(transfer):
     src_slots, dst_segments = transfer
-    pieces = plan_pieces(src_slots, dst_segments)
+    pieces = plan_pieces(src_slots, Segments(tuple(dst_segments)))
     plan = plan_pages(pieces, PAGE)
     moved = sorted(
         [(int(s) * PAGE + o, int(d) * PAGE + o) for s, d in zip(plan.src_pages, plan.dst_pages) for o in range(PAGE)]

@@ -1,19 +1,14 @@
-"""The kv_append_metadata codec: round trips over random page layouts, invariants, validation."""
+"""Page tables to slots and the kv_append_metadata codec: round trips over random page layouts,
+invariants, validation."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv.kv_metadata import (
-    MetadataError,
-    decode_segments,
-    encode_segments,
-    expand_slots,
-    reservation_slots,
-    validate_metadata,
-)
-from common.kv.kv_pool import KVPool
+from common.kv.segments import RELEASED, MetadataError, Segments, slot_range, slots_at
 
 
 @st.composite
@@ -28,13 +23,12 @@ def page_layouts(draw: st.DrawFn) -> tuple[int, int, list[int], int, int]:
     return page_size, num_pages, table, start, end
 
 
-def check_invariants(metadata: list[int], slots: list[int]) -> None:
-    n = metadata[0]
-    segments = decode_segments(metadata)
-    assert len(metadata) == 2 * n + 1
-    assert sum(length for _, length in segments) == len(slots)
-    assert expand_slots(metadata) == slots
-    for (a_start, a_len), (b_start, _) in zip(segments, segments[1:]):
+def check_invariants(segments: Segments, slots: list[int]) -> None:
+    wire = segments.to_wire()
+    assert len(wire) == 2 * wire[0] + 1 and len(segments) == wire[0]
+    assert segments.num_slots == len(slots)
+    assert segments.slots().tolist() == slots
+    for (a_start, a_len), (b_start, _) in zip(segments, list(segments)[1:]):
         assert a_start + a_len != b_start, "adjacent segments are contiguous: not maximal"
 
 
@@ -42,45 +36,46 @@ def check_invariants(metadata: list[int], slots: list[int]) -> None:
 @given(page_layouts())
 def test_round_trip_over_page_layouts(layout: tuple[int, int, list[int], int, int]) -> None:
     page_size, num_pages, table, start, end = layout
-    slots = reservation_slots(table, page_size, start, end)
-    metadata = encode_segments(slots)
-    check_invariants(metadata, slots)
-    segments = validate_metadata(metadata, end - start, num_pages * page_size)
-    assert segments == decode_segments(metadata)
+    slots = slot_range(table, page_size, start, end).tolist()
+    assert slots == [table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+    segments = Segments.of_slots(slots)
+    check_invariants(segments, slots)
+    assert Segments.from_wire(segments.to_wire(), end - start, num_pages * page_size) == segments
 
 
-@settings(max_examples=50, deadline=None)
-@given(page_layouts())
-def test_reservation_slots_agree_with_kv_pool(layout: tuple[int, int, list[int], int, int]) -> None:
-    page_size, num_pages, table, start, end = layout
-    pool = KVPool(1, 1, 1, num_pages=num_pages, page_size=page_size)
-    expected = pool.slots_for(table, start, end).tolist()
-    assert reservation_slots(table, page_size, start, end) == expected
+@settings(max_examples=200, deadline=None)
+@given(page_layouts(), st.data())
+def test_a_window_of_segments_is_the_segments_of_those_slots(layout, data) -> None:
+    page_size, _, table, start, end = layout
+    slots = slot_range(table, page_size, start, end).tolist()
+    lo = data.draw(st.integers(0, len(slots)))
+    hi = data.draw(st.integers(lo, len(slots)))
+    assert Segments.of_slots(slots).window(lo, hi) == Segments.of_slots(slots[lo:hi])
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 60), unique=True))
 def test_round_trip_of_arbitrary_distinct_slots(slots: list[int]) -> None:
-    check_invariants(encode_segments(slots), slots)
+    check_invariants(Segments.of_slots(slots), slots)
 
 
 def test_design_example() -> None:
-    slots = reservation_slots([7, 2], page_size=4, start=1, end=7)
+    slots = slot_range([7, 2], page_size=4, start=1, end=7).tolist()
     assert slots == [29, 30, 31, 8, 9, 10]
-    assert encode_segments(slots) == [2, 29, 3, 8, 3]
-    assert validate_metadata([2, 29, 3, 8, 3], expected_tokens=6, num_slots=32) == [(29, 3), (8, 3)]
+    assert Segments.of_slots(slots).to_wire() == [2, 29, 3, 8, 3]
+    assert Segments.from_wire([2, 29, 3, 8, 3], expected_tokens=6, num_slots=32).runs == ((29, 3), (8, 3))
 
 
 def test_empty_reservation() -> None:
-    assert encode_segments([]) == [0]
-    assert decode_segments([0]) == [] and expand_slots([0]) == []
-    assert validate_metadata([0], expected_tokens=0, num_slots=16) == []
-    assert reservation_slots([3], page_size=4, start=2, end=2) == []
+    assert Segments.of_slots([]).to_wire() == [0]
+    assert Segments.from_wire([0], expected_tokens=0, num_slots=16) == Segments(())
+    assert Segments(()).slots().tolist() == []
+    assert slot_range([3], page_size=4, start=2, end=2).tolist() == []
 
 
 def test_accepts_numpy_and_non_maximal_but_valid_segments() -> None:
-    np = pytest.importorskip("numpy")
-    assert validate_metadata(np.array([2, 4, 2, 6, 1], dtype=np.int64), 3, 8) == [(4, 2), (6, 1)]
+    got = Segments.from_wire(np.array([2, 4, 2, 6, 1], dtype=np.int64), 3, 8)
+    assert got.runs == ((4, 2), (6, 1)) and got.slots().tolist() == [4, 5, 6]
 
 
 @pytest.mark.parametrize(
@@ -103,9 +98,9 @@ def test_accepts_numpy_and_non_maximal_but_valid_segments() -> None:
         ([2, 5, 1, 5, 1], 2, r"segment 1 slots \[5, 6\) overlap segment 0"),
     ],
 )
-def test_validate_rejects(metadata: list[int], expected_tokens: int, message: str) -> None:
+def test_from_wire_rejects(metadata: list[int], expected_tokens: int, message: str) -> None:
     with pytest.raises(MetadataError, match=message):
-        validate_metadata(metadata, expected_tokens, num_slots=32)
+        Segments.from_wire(metadata, expected_tokens, num_slots=32)
 
 
 def test_metadata_error_is_a_value_error() -> None:
@@ -113,6 +108,12 @@ def test_metadata_error_is_a_value_error() -> None:
 
 
 @pytest.mark.parametrize(("start", "end"), [(-1, 2), (3, 2), (0, 9)])
-def test_reservation_slots_rejects_positions_outside_the_table(start: int, end: int) -> None:
+def test_slot_range_rejects_positions_outside_the_table(start: int, end: int) -> None:
     with pytest.raises(ValueError, match="outside the 2-page table"):
-        reservation_slots([5, 1], page_size=4, start=start, end=end)
+        slot_range([5, 1], page_size=4, start=start, end=end)
+
+
+def test_slots_at_refuses_a_released_entry() -> None:
+    assert slots_at([RELEASED, 3], 4, torch.tensor([4, 6])).tolist() == [12, 14]
+    with pytest.raises(RuntimeError, match="released KV page"):
+        slots_at([RELEASED, 3], 4, torch.tensor([1, 4]))

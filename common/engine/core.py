@@ -3,21 +3,47 @@
 The engine owns the pool, its page allocator and the prefix cache; a `Sequence` owns one
 reference on each page of its page table. Pages are only allocated here, on demand, as a
 sequence's computed length grows.
+
+One lock, `Engine.lock`, guards the page tables, the allocator, the prefix cache and every table
+of other objects that refers to their pages (the schedulers', the decode node's requests and
+fences). The rule is enforced in one place, `locked`: every method that reads or changes that
+state runs under it, whichever thread calls; the lock is reentrant, so a caller that needs
+several calls to be atomic holds it around them. Only the forward runs without it (it touches
+the pool's bytes and the sequences it was given, nothing shared). `Engine.room_made` is a
+condition of that lock, notified whenever pages go back to the free list or become evictable
+in the prefix cache: admission waits on it.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
-from common.engine.attention_window import RELEASED, AttentionWindow, slots_at
-from common.kv.kv_events import KvEventLog
-from common.kv.kv_pool import KVPool
+from common.engine.attention_window import AttentionWindow
+from common.kv.events import KvEventLog
+from common.kv.pool import KVPool
+from common.kv.segments import RELEASED, slot_range, slots_at
 from common.kv.page_allocator import PageAllocator
 from common.kv.prefix_cache import PrefixCache
 from common.model.model import ForwardBatch, LlamaModel, SequenceSlice
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def locked(method: F) -> F:
+    """Run `method` holding `self.lock` (an engine's lock, shared by every object whose state
+    refers to its pages)."""
+    @functools.wraps(method)
+    def run_locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return run_locked  # type: ignore[return-value]
 
 
 @dataclass
@@ -43,13 +69,12 @@ class Engine:
     def __init__(self, model: LlamaModel, num_pages: int, page_size: int) -> None:
         self.model = model
         self.pool: KVPool = model.new_pool(num_pages, page_size)
-        self.allocator = PageAllocator(num_pages)
+        self.lock = threading.RLock()
+        self.room_made = threading.Condition(self.lock)
+        self.allocator = PageAllocator(num_pages, on_free=self.room_made.notify_all)
         self.window = AttentionWindow.of(model.config)  # None: full attention, no page is released
         self.kv_events = KvEventLog(page_size)  # what WatchKvEvents streams
         self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events)
-        # Guards page tables, the allocator and the prefix cache for every thread that
-        # allocates (the scheduler loop, the decode node's PrepareReceive handlers).
-        self.lock = threading.RLock()
 
     @property
     def page_size(self) -> int:
@@ -59,6 +84,7 @@ class Engine:
         """Pages to add so `seq` can hold `num_tokens` positions."""
         return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
 
+    @locked
     def new_sequence(self, seq_id: str, token_ids: list[int], use_prefix_cache: bool = True) -> Sequence:
         """A sequence starting from the longest cached prefix; at least the last token is left
         to compute so its logits exist."""
@@ -67,12 +93,14 @@ class Engine:
             self.attach_cached_prefix(seq)
         return seq
 
+    @locked
     def attach_cached_prefix(self, seq: Sequence) -> None:
         """Give a sequence that holds no pages the longest cached prefix of its tokens."""
         assert not seq.pages, "the sequence already holds pages"
         seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1])
         seq.num_cached = max(seq.num_cached, seq.num_computed)
 
+    @locked
     def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Grow the page table to hold `num_tokens` positions, evicting cold cached prefixes
         if needed; raises OutOfPages (leaving the sequence unchanged) when the pool is full."""
@@ -81,6 +109,7 @@ class Engine:
         seq.pages.extend(new)
         return new
 
+    @locked
     def truncate(self, seq: Sequence) -> None:
         """Give back the pages past those holding `seq`'s computed positions (reserved for
         speculative draft positions that were rejected). They are private to `seq`: pages a
@@ -89,6 +118,7 @@ class Engine:
         extra, seq.pages = seq.pages[keep:], seq.pages[:keep]
         self.allocator.decref(p for p in extra if p != RELEASED)
 
+    @locked
     def fork(self, parent: Sequence, seq_id: str) -> Sequence:
         """A sequence that continues `parent`'s computed positions with tokens of its own (one of
         parallel samples): it shares every full page (one more reference each) and gets a private
@@ -157,11 +187,12 @@ class Engine:
         """Positions `[start, end)` as queries; with a sliding window the context is only the
         keys they attend, so released pages are never read."""
         if self.window is None:
-            return SequenceSlice(end - start, self.pool.slots_for(seq.pages, 0, end))
+            return SequenceSlice(end - start, slot_range(seq.pages, self.page_size, 0, end))
         keys = self.window.context_positions(start, end)
         return SequenceSlice(end - start, slots_at(seq.pages, self.page_size, keys),
                              self.window.mask(torch.arange(start, end), keys))
 
+    @locked
     def release_before(self, seq: Sequence, position: int) -> None:
         """Give back the pages of `seq` whose positions all lie before `position` and hold no
         attention sink, and extend its table with released entries up to `position`'s page (a
@@ -173,6 +204,7 @@ class Engine:
             seq.pages[i] = RELEASED
         seq.pages.extend([RELEASED] * (position // self.page_size - len(seq.pages)))
 
+    @locked
     def receive_begin(self, seq: Sequence, end: int) -> int:
         """For a receiver: the first position a writer must send (it sends `[begin, end)`) so
         that `seq`, holding its cached prefix, can compute on from `end`. With a sliding window
@@ -184,6 +216,7 @@ class Engine:
         self.release_before(seq, min(begin, self.window.first_needed(max(seq.num_computed, end))))
         return begin
 
+    @locked
     def trim_to_window(self, seq: Sequence, keep_from: int | None = None) -> None:
         """After a forward: give back the pages no later query of `seq` attends (none without a
         sliding window), keeping every position from `keep_from` on (a transfer still reads it)."""
@@ -192,6 +225,7 @@ class Engine:
         before = self.window.first_needed(seq.num_computed)
         self.release_before(seq, before if keep_from is None else min(before, keep_from))
 
+    @locked
     def release(self, seq: Sequence, cache: bool = True) -> None:
         """Drop the sequence's page references, first recording its computed full pages in the
         prefix cache so later requests can reuse them. Only the leading run of held pages can
@@ -200,5 +234,7 @@ class Engine:
         if cache and seq.num_computed:
             self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held])
         self.allocator.decref(seq.held_pages)
+        if cache and seq.num_computed:
+            self.room_made.notify_all()  # its pages may have turned evictable
         seq.pages = []
         seq.num_computed = 0

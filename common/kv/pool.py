@@ -47,9 +47,3 @@ class KVPool:
     def slot_bytes(self) -> int:
         """Bytes of one slot of one (layer, K|V)."""
         return self.num_kv_heads * self.head_dim * self.data.element_size()
-
-    def slots_for(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        """Slot indices of positions `[start, end)` of a sequence whose page table is `pages`."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(pages, dtype=torch.long)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size

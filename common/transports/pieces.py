@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.kv.kv_metadata import encode_segments
-from common.kv.kv_pool import KVPool
+from common.kv.pool import KVPool
+from common.kv.segments import Segments
 
 
 @dataclass(frozen=True)
@@ -23,26 +23,22 @@ class Piece:
     num_slots: int
 
 
-def plan_pieces(src_slots: Sequence[int], dst_segments: Sequence[tuple[int, int]]) -> list[Piece]:
-    """Split the copy of `src_slots` (position order) into `dst_segments` into pieces."""
-    src_runs = _runs(encode_segments(list(src_slots)))
+def plan_pieces(src_slots: Sequence[int] | np.ndarray, dst: Segments) -> list[Piece]:
+    """Split the copy of `src_slots` (position order) into the `dst` runs into pieces."""
+    src_runs, dst_runs = Segments.of_slots(src_slots).runs, dst.runs
     pieces: list[Piece] = []
     si = di = 0
     s_start, s_left = src_runs[0] if src_runs else (0, 0)
-    d_start, d_left = dst_segments[0] if dst_segments else (0, 0)
-    while si < len(src_runs) and di < len(dst_segments):
+    d_start, d_left = dst_runs[0] if dst_runs else (0, 0)
+    while si < len(src_runs) and di < len(dst_runs):
         n = min(s_left, d_left)
         pieces.append(Piece(s_start, d_start, n))
         s_start, s_left, d_start, d_left = s_start + n, s_left - n, d_start + n, d_left - n
         if s_left == 0 and (si := si + 1) < len(src_runs):
             s_start, s_left = src_runs[si]
-        if d_left == 0 and (di := di + 1) < len(dst_segments):
-            d_start, d_left = dst_segments[di]
+        if d_left == 0 and (di := di + 1) < len(dst_runs):
+            d_start, d_left = dst_runs[di]
     return pieces
-
-
-def _runs(metadata: list[int]) -> list[tuple[int, int]]:
-    return [(metadata[1 + 2 * i], metadata[2 + 2 * i]) for i in range(metadata[0])]
 
 
 def byte_offset(pool_shape_slots: int, slot_bytes: int, layer: int, kv: int, slot: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from common.engine.engine import Engine
+from common.engine.core import Engine
 
 
 class EngineLoop:

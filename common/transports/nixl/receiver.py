@@ -1,8 +1,11 @@
-"""The decode node's NIXL endpoint: the whole pool registered once with NIXL's UCX backend.
+"""The receiving half of the NIXL transport: the whole pool registered once with NIXL's UCX
+backend, and fences that only the writer's report or the quarantine lift.
 
-Writes are one-sided, so nothing here touches the bytes; but UCX transports that emulate RMA
-(tcp) only move data while the target makes progress, and NIXL's progress thread is off on
-small machines, so a thread polls: briskly while reservations wait for KV, lazily otherwise.
+Writes are one-sided, so nothing here touches the bytes or can stop one already posted: an
+admitted writer's window is fenced at once and stays fenced until the writer reports it is done
+(`complete`) or the quarantine ends (fences.py). UCX transports that emulate RMA (tcp) only move
+data while the target makes progress, and NIXL's progress thread is off on small machines, so a
+thread polls: briskly while transfers are due, lazily otherwise.
 """
 from __future__ import annotations
 
@@ -11,19 +14,21 @@ from collections.abc import Callable
 
 import torch
 
-from common.kv.kv_pool import KVPool
-from common.transports.nixl_transport import NixlTarget
+from common.kv.pool import KVPool
+from common.transports.connector import WriteWindow
+from common.transports.fences import WriteFences
+from common.transports.nixl.target import NixlTarget
 from protos.duet.v1 import duet_pb2 as pb
 
 BUSY_POLL_S = 0.0005
 IDLE_POLL_S = 0.02
 
 
-class NixlEndpoint:
+class NixlReceiver:
     transport = "nixl"
-    one_sided = True  # writers write without us: see decode_node/write_fences.py
 
-    def __init__(self, pool: KVPool, name: str, transfers_pending: Callable[[], bool]) -> None:
+    def __init__(self, pool: KVPool, fences: WriteFences, name: str, transfers_pending: Callable[[], bool]) -> None:
+        self.fences = fences
         self._target = NixlTarget(name, pool.data)  # a CUDA pool is registered as VRAM
         self._name = name
         self._cuda_device = pool.data.device if pool.data.is_cuda else None
@@ -37,6 +42,12 @@ class NixlEndpoint:
         return pb.TransportInfo(transport=self.transport, nixl_agent_name=self._name,
                                 nixl_agent_metadata=t.metadata(), pool_base_address=t.base_address,
                                 pool_size_bytes=t.size_bytes)
+
+    def admit(self, window: WriteWindow) -> None:
+        self.fences.raise_fence(window, quarantine=True)
+
+    def complete(self, request_id: str, nonce: int) -> bool:
+        return self.fences.lift_writer(request_id, nonce)
 
     def close(self) -> None:
         self._stopped.set()

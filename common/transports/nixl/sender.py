@@ -1,6 +1,6 @@
-"""The prefill node's NIXL pusher: this node's pool registered once, and both pools described
-once, page by page for every (layer, K|V), as NIXL prepared descriptor lists (this node's at
-start, each decode node's when it connects). A layer's whole pages then move as ONE prepared
+"""The sending half of the NIXL transport: this node's pool registered once, and both pools
+described once, page by page for every (layer, K|V), as NIXL prepared descriptor lists (this
+node's at start, each peer's when it connects). A layer's whole pages then move as ONE prepared
 NIXL WRITE naming page indices (numpy, built from a per-transfer plan: nothing per layer grows
 with the pages as Python objects); NIXL merges pages adjacent on both sides, so a contiguous
 reservation moves as a few large writes. A piece's ends off page boundaries (a partial first or
@@ -23,10 +23,10 @@ import grpc
 import numpy as np
 import torch
 
-from common.kv.kv_pool import KVPool
+from common.kv.pool import KVPool
 from common.transports import TransferError
-from common.transports.kv_ranges import PagePlan, Piece, byte_offset, layer_byte_ranges, page_blocks, plan_pages
-from common.transports.nixl_transport import NixlInitiator, WriteHandle
+from common.transports.nixl.initiator import NixlInitiator, WriteHandle
+from common.transports.pieces import PagePlan, Piece, byte_offset, layer_byte_ranges, page_blocks, plan_pages
 from protos.duet.v1 import duet_pb2 as pb
 
 
@@ -37,7 +37,7 @@ class _Peer:
     num_slots: int
 
 
-class NixlSession:
+class NixlTransfer:
     def __init__(self, initiator: NixlInitiator, pool: KVPool, peer: _Peer, timeout_s: float,
                  on_layer_done: Callable[[int], None]) -> None:
         self._initiator, self._pool, self._peer = initiator, pool, peer
@@ -152,7 +152,7 @@ def _computed_event(pool: KVPool) -> torch.cuda.Event | None:
     return event
 
 
-class NixlPusher:
+class NixlSender:
     transport = "nixl"
     one_sided = True
 
@@ -166,26 +166,26 @@ class NixlPusher:
         pool = self._pool
         return page_blocks(base, pool.num_layers, num_slots, pool.page_size, pool.slot_bytes())
 
-    def connect(self, address: str, info: pb.TransportInfo) -> None:
+    def connect(self, peer: str, info: pb.TransportInfo) -> None:
         expected = info.num_slots * 2 * self._pool.num_layers * self._pool.slot_bytes()
         if info.pool_size_bytes != expected:
-            raise TransferError(f"decode node {address} registered {info.pool_size_bytes} bytes, expected {expected}",
+            raise TransferError(f"peer {peer} registered {info.pool_size_bytes} bytes, expected {expected}",
                                 grpc.StatusCode.FAILED_PRECONDITION)
         if info.num_slots % self._pool.page_size:
-            raise TransferError(f"decode node {address} has {info.num_slots} slots, not whole "
+            raise TransferError(f"peer {peer} has {info.num_slots} slots, not whole "
                                 f"{self._pool.page_size}-slot pages", grpc.StatusCode.FAILED_PRECONDITION)
         self._initiator.connect(info.nixl_agent_name, info.nixl_agent_metadata)
         self._initiator.prepare_remote(info.nixl_agent_name, self._page_blocks(info.pool_base_address, info.num_slots))
-        self._peers[address] = _Peer(info.nixl_agent_name, info.pool_base_address, info.num_slots)
+        self._peers[peer] = _Peer(info.nixl_agent_name, info.pool_base_address, info.num_slots)
 
-    def disconnect(self, address: str) -> None:
-        peer = self._peers.pop(address, None)
-        if peer is not None:
-            self._initiator.disconnect(peer.agent_name)
+    def disconnect(self, peer: str) -> None:
+        known = self._peers.pop(peer, None)
+        if known is not None:
+            self._initiator.disconnect(known.agent_name)
 
-    def open(self, address: str, request_id: str, nonce: int, timeout_s: float,
-             on_layer_done: Callable[[int], None] = lambda layer: None) -> NixlSession:
-        return NixlSession(self._initiator, self._pool, self._peers[address], timeout_s, on_layer_done)
+    def open(self, peer: str, request_id: str, nonce: int, timeout_s: float,
+             on_layer_done: Callable[[int], None] = lambda layer: None) -> NixlTransfer:
+        return NixlTransfer(self._initiator, self._pool, self._peers[peer], timeout_s, on_layer_done)
 
     def close(self) -> None:
         self._initiator.close()

@@ -1,50 +1,8 @@
-"""KV over NIXL's UCX backend: one-sided WRITEs from the prefill pool into the decode pool.
-
-The decode node owns a :class:`NixlTarget`: it registers its whole KV pool tensor once and hands
-out ``metadata()`` (NIXL agent metadata: connection info plus the registration) together with
-``base_address`` and ``size_bytes`` over the control plane. The prefill node owns a
-:class:`NixlInitiator`: it registers its own pool, ``connect``s to each decode node with that
-metadata and posts ``write``s: one NIXL transfer per call, one descriptor per (address, nbytes)
-range, optionally carrying a notification. For the hot path both sides are described once as
-blocks (``prepare_local``, ``prepare_remote``: NIXL's prepared descriptor lists), and
-``write_blocks`` passes only block indices (NIXL's prepared transfers). The decode node learns
-about completed transfers by polling :meth:`NixlTarget.poll_notifications`; a notification is
-delivered only after the data of its transfer is in place.
-
-Environment (read by UCX when an agent's backend is created, i.e. set it before constructing
-either class, in every process):
-
-* ``UCX_TLS=sm,self`` on one host (puts go through CMA, ``process_vm_writev``), ``UCX_TLS=tcp``
-  across hosts (``UCX_NET_DEVICES=lo`` for loopback tests). Unset means "all", which also works.
-* With ``tcp`` the data only moves while *both* sides make UCX progress: the initiator does so in
-  :meth:`NixlInitiator.wait`, the target in :meth:`NixlTarget.poll_notifications`. NIXL's
-  progress thread is off (small machines), so the decode node must keep polling (every
-  millisecond or so) while transfers are expected. With ``sm`` the initiator does the copy.
-* Start worker processes with the ``spawn`` start method, never ``fork`` after UCX is up.
-* Pools on a CUDA device are registered as ``VRAM`` (with the device index), host pools as
-  ``DRAM``. For VRAM pools UCX needs its CUDA transports: ``UCX_TLS=cuda_ipc,cuda_copy,sm,self``
-  on one host (GPU to GPU over NVLink/PCIe peer access), ``UCX_TLS=rc,ud,cuda_copy,cuda_ipc`` (or
-  ``all``) across hosts, which writes GPU memory directly over RDMA when GPUDirect RDMA is set up
-  (docs/gpu.md). An initiator learns each target's memory type and device from the target's
-  metadata (:meth:`NixlInitiator.write` probes it), so the two sides need not match.
-
-Error handling mode is ``none``: ``peer`` rejects every shared-memory transport ("no peer failure
-handler") and backend creation fails under ``UCX_TLS=sm,self``. Peer death is still reported:
-a write to (or in flight towards) a dead target fails with :class:`PeerDisconnectedError` within
-milliseconds, with both ``sm`` and ``tcp``.
-
-A timed-out write may still land partly (``TransferError.in_flight``). NIXL does no access
-control: any agent holding a target's metadata can write anywhere in its pool, so the metadata
-is as sensitive as the pool itself (hand it out only to authorised prefill nodes).
-
-NIXL's import is lazy; :func:`nixl_available` says whether it loads here, so a daemon can fall
-back to the TCP transport (``common/transports/tcp_transport.py``). Neither class is meant to be
-shared between processes; within a process each serialises its NIXL calls with a lock.
-"""
+"""The writing half of NIXL: an agent that posts one-sided WRITEs from its registered tensor into
+connected targets' pools, by byte ranges or by prepared blocks."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -56,206 +14,21 @@ import numpy as np
 import torch
 
 from common.transports import TransferError
+from common.transports.nixl.agent import (
+    PeerDisconnectedError,
+    agent_name,
+    as_ranges,
+    check_tensor,
+    descriptors,
+    load_nixl,
+    make_agent,
+    memory_of,
+    register,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "NixlInitiator",
-    "NixlTarget",
-    "NixlUnavailableError",
-    "PeerDisconnectedError",
-    "TransferError",
-    "WriteHandle",
-    "nixl_available",
-    "nixl_unavailable_reason",
-]
-
-_BACKEND = "UCX"
-# "none": shared-memory transports have no peer failure handler; with "peer" UCX refuses them.
-_UCX_PARAMS = {"ucx_error_handling_mode": "none"}
 _MAX_PROBED_GPUS = 64  # device indices tried when finding which GPU a remote pool is on
-# The wheels, built for CUDA 12 (the lock's, and the driver-agnostic choice on CPU machines) or
-# CUDA 13 (hosts whose torch is a CUDA 13 build); `nixl` is the meta package that re-exports one.
-_NIXL_MODULES = (("nixl_cu12", "nixl_cu12._bindings"), ("nixl_cu13", "nixl_cu13._bindings"),
-                 ("nixl._api", "nixl._bindings"))
-_INSTALL_HINT = (
-    "install it with `pip install -c constraints.txt nixl-cu12` (torch stays pinned), "
-    "or run with the TCP transport"
-)
-
-
-class NixlUnavailableError(ImportError):
-    """NIXL (or its UCX backend) cannot be used on this machine; use the TCP transport."""
-
-
-class PeerDisconnectedError(TransferError):
-    """The target went away (process died, connection reset). The initiator has dropped the peer;
-    ``connect`` again with the (new) metadata of the restarted target."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Import
-
-
-_nixl: dict[str, Any] | None = None
-_nixl_error: str | None = None
-_import_lock = threading.Lock()
-
-
-def _load() -> dict[str, Any]:
-    """Import NIXL once; returns its agent classes and its error types, or raises."""
-    global _nixl, _nixl_error
-    with _import_lock:
-        if _nixl is not None:
-            return _nixl
-        if _nixl_error is None:
-            errors = []
-            for api, bindings in _NIXL_MODULES:
-                try:
-                    mod = __import__(api, fromlist=["nixl_agent"])
-                    bind = __import__(bindings, fromlist=["nixlBackendError"])
-                except (ImportError, OSError) as exc:  # OSError: a shared library failed to load
-                    errors.append(f"{api}: {exc}")
-                    continue
-                _quiet_nixl_logger()
-                _nixl = {
-                    "agent": mod.nixl_agent,
-                    "config": mod.nixl_agent_config,
-                    "errors": tuple(getattr(bind, n) for n in dir(bind)
-                                    if n.startswith("nixl") and n.endswith("Error")),
-                    "disconnect": getattr(bind, "nixlRemoteDisconnectError", ()),
-                    "not_found": getattr(bind, "nixlNotFoundError", ()),
-                    "invalid": getattr(bind, "nixlInvalidParamError", ()),
-                    "module": api,
-                }
-                return _nixl
-            _nixl_error = "; ".join(errors)
-    raise NixlUnavailableError(f"NIXL cannot be imported ({_nixl_error}); {_INSTALL_HINT}")
-
-
-def _quiet_nixl_logger() -> None:
-    # NIXL's Python layer logs every agent/backend creation at INFO to stdout; keep warnings only
-    # unless the user asked for a level with NIXL_LOG_LEVEL.
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-
-
-def nixl_available() -> bool:
-    """True if NIXL imports here (it does not check that UCX finds a usable transport)."""
-    try:
-        _load()
-    except NixlUnavailableError:
-        return False
-    return True
-
-
-def nixl_unavailable_reason() -> str | None:
-    """Why NIXL cannot be imported, or None if it can."""
-    try:
-        _load()
-    except NixlUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-def _make_agent(name: str) -> Any:
-    nx = _load()
-    try:
-        agent = nx["agent"](name, nx["config"](enable_prog_thread=False, backends=[]))
-        agent.create_backend(_BACKEND, dict(_UCX_PARAMS))
-    except nx["errors"] + (RuntimeError,) as exc:
-        raise NixlUnavailableError(
-            f"NIXL loaded ({nx['module']}) but its UCX backend could not start: "
-            f"{type(exc).__name__}: {exc} (UCX_TLS={os.environ.get('UCX_TLS', '<unset>')}); "
-            f"use the TCP transport") from exc
-    return agent
-
-
-def _check_tensor(t: torch.Tensor, what: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor")
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{what} must be in host memory or on a CUDA device, not on {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{what} must be contiguous: it is registered as one byte range")
-    if t.numel() == 0:
-        raise ValueError(f"{what} is empty")
-
-
-def _memory_of(t: torch.Tensor) -> tuple[str, int]:
-    """NIXL's memory type and device id of a tensor: ("VRAM", GPU index) or ("DRAM", 0)."""
-    if t.device.type != "cuda":
-        return "DRAM", 0
-    return "VRAM", t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
-def _register(agent: Any, t: torch.Tensor) -> Any:
-    mem, dev = _memory_of(t)
-    return agent.register_memory([(t.data_ptr(), t.numel() * t.element_size(), dev, "")], mem)
-
-
-# ---------------------------------------------------------------------------------------------
-# Target (decode node)
-
-
-class NixlTarget:
-    """The decode side: an agent that exposes one registered pool tensor to remote writers."""
-
-    def __init__(self, name: str, pool_tensor: torch.Tensor) -> None:
-        _check_tensor(pool_tensor, "pool_tensor")
-        self.name = name
-        self._tensor = pool_tensor  # keep the memory alive while it is registered
-        self._lock = threading.Lock()
-        self._agent = _make_agent(name)
-        self._reg = _register(self._agent, pool_tensor)
-
-    @property
-    def base_address(self) -> int:
-        """Address of the pool's first byte, as remote ranges must be expressed."""
-        return self._tensor.data_ptr()
-
-    @property
-    def size_bytes(self) -> int:
-        return self._tensor.numel() * self._tensor.element_size()
-
-    def metadata(self) -> bytes:
-        """NIXL agent metadata (connection info and the pool registration) for initiators."""
-        with self._lock:
-            return self._live().get_agent_metadata()
-
-    def poll_notifications(self) -> list[tuple[str, bytes]]:
-        """Notifications that arrived since the last call, as (initiator agent name, payload),
-        in arrival order per initiator. Also drives UCX progress (needed for ``tcp``)."""
-        with self._lock:
-            notifs = self._live().get_new_notifs()
-        return [(_name(peer), bytes(msg)) for peer, msgs in notifs.items() for msg in msgs]
-
-    def close(self) -> None:
-        """Deregister the pool and destroy the agent. Idempotent."""
-        with self._lock:
-            agent, self._agent = self._agent, None
-            if agent is None:
-                return
-            try:
-                agent.deregister_memory(self._reg)
-            except Exception as exc:  # closing must not raise; the agent dies anyway
-                log.warning("NIXL deregister failed on close: %s", exc)
-            del agent
-
-    def _live(self) -> Any:
-        if self._agent is None:
-            raise RuntimeError(f"NixlTarget {self.name!r} is closed")
-        return self._agent
-
-    def __enter__(self) -> NixlTarget:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# Initiator (prefill node)
 
 
 @dataclass(eq=False)
@@ -276,7 +49,7 @@ class NixlInitiator:
     registered pools of connected targets."""
 
     def __init__(self, name: str, local_tensor: torch.Tensor) -> None:
-        _check_tensor(local_tensor, "local_tensor")
+        check_tensor(local_tensor, "local_tensor")
         self.name = name
         self._tensor = local_tensor
         self._lo = local_tensor.data_ptr()
@@ -284,19 +57,19 @@ class NixlInitiator:
         self._lock = threading.Lock()
         self._peers: dict[str, tuple[bytes, int]] = {}  # name -> (metadata, generation)
         self._peer_memory: dict[str, tuple[str, int]] = {}  # name -> its pool's (memory type, device id)
-        self._memory = _memory_of(local_tensor)
+        self._memory = memory_of(local_tensor)
         self._generation = 0
         self._pending: set[WriteHandle] = set()
         self._stuck: list[Any] = []  # handles NIXL could not cancel: never freed while we live
         self._local_blocks: Any = None  # prepared descriptor list of local blocks (prepare_local)
         self._remote_blocks: dict[str, Any] = {}  # peer -> its prepared descriptor list (prepare_remote)
-        nx = _load()
+        nx = load_nixl()
         self._disconnect_err = nx["disconnect"]
         self._not_found_err = nx["not_found"]
         self._invalid_err = nx["invalid"]
         self._nixl_errors = nx["errors"]
-        self._agent = _make_agent(name)
-        self._reg = _register(self._agent, local_tensor)
+        self._agent = make_agent(name)
+        self._reg = register(self._agent, local_tensor)
 
     # -- peers ----------------------------------------------------------------------------
 
@@ -312,7 +85,7 @@ class NixlInitiator:
             if known is not None:
                 self._remove_locked(peer_name)
             try:
-                loaded = _name(agent.add_remote_agent(metadata))
+                loaded = agent_name(agent.add_remote_agent(metadata))
             except self._nixl_errors as exc:
                 # NIXL_ERR_NOT_ALLOWED here means NIXL still holds this name, e.g. added earlier
                 # by another NixlInitiator method; disconnect() first.
@@ -361,8 +134,8 @@ class NixlInitiator:
         when a remote range is outside the peer's pool, ``FAILED_PRECONDITION`` when the peer is
         not connected, and :class:`PeerDisconnectedError` when the peer is gone.
         """
-        local = _ranges(local_ranges, "local_ranges")
-        remote = _ranges(remote_ranges, "remote_ranges")
+        local = as_ranges(local_ranges, "local_ranges")
+        remote = as_ranges(remote_ranges, "remote_ranges")
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local ranges but {len(remote)} remote ranges")
         if len(local) == 0:
@@ -383,8 +156,8 @@ class NixlInitiator:
             if remote_memory is None:
                 raise TransferError(f"a remote range is outside the memory {peer_name!r} registered",
                                     grpc.StatusCode.INVALID_ARGUMENT)
-            ldl = agent.get_xfer_descs(_descs(local, self._memory[1]), self._memory[0])
-            rdl = agent.get_xfer_descs(_descs(remote, remote_memory[1]), remote_memory[0])
+            ldl = agent.get_xfer_descs(descriptors(local, self._memory[1]), self._memory[0])
+            rdl = agent.get_xfer_descs(descriptors(remote, remote_memory[1]), remote_memory[0])
             try:
                 xfer = agent.initialize_xfer("WRITE", ldl, rdl, peer_name, notif)
             except self._not_found_err:
@@ -413,21 +186,21 @@ class NixlInitiator:
     def prepare_local(self, blocks: np.ndarray) -> None:
         """Describe the local tensor once as blocks (an ``(N, 2)`` array of absolute address and
         nbytes, each inside the tensor) for :meth:`write_blocks`, which then names them by index."""
-        local = _ranges(blocks, "blocks")
+        local = as_ranges(blocks, "blocks")
         if len(local) == 0 or int(local[:, 0].min()) < self._lo or int((local[:, 0] + local[:, 1]).max()) > self._hi:
             raise ValueError("a local block is outside the registered local tensor")
         with self._lock:
             agent = self._live()
             if self._local_blocks is not None:
                 self._release_dlist(self._local_blocks)
-            self._local_blocks = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(local, self._memory[1]),
+            self._local_blocks = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors(local, self._memory[1]),
                                                        self._memory[0])
 
     def prepare_remote(self, peer_name: str, blocks: np.ndarray) -> None:
         """Describe a connected peer's pool once as blocks (``(N, 2)``: address, nbytes), for
         :meth:`write_blocks`. Dropped with the peer (disconnect, or connect with new metadata).
         Raises :class:`TransferError` (``INVALID_ARGUMENT``) when a block is outside its pool."""
-        remote = _ranges(blocks, "blocks")
+        remote = as_ranges(blocks, "blocks")
         if len(remote) == 0:
             raise ValueError("blocks: no blocks to prepare")
         with self._lock:
@@ -439,11 +212,11 @@ class NixlInitiator:
             span = np.array([[lo, int((remote[:, 0] + remote[:, 1]).max()) - lo]], dtype=np.int64)
             memory = self._remote_memory_locked(peer_name, span[0])
             if memory is None or not agent.check_remote_metadata(
-                    peer_name, agent.get_xfer_descs(_descs(span, memory[1]), memory[0])):
+                    peer_name, agent.get_xfer_descs(descriptors(span, memory[1]), memory[0])):
                 raise TransferError(f"a block is outside the memory {peer_name!r} registered",
                                     grpc.StatusCode.INVALID_ARGUMENT)
             try:
-                prepared = agent.prep_xfer_dlist(peer_name, _descs(remote, memory[1]), memory[0])
+                prepared = agent.prep_xfer_dlist(peer_name, descriptors(remote, memory[1]), memory[0])
             except self._nixl_errors as exc:
                 raise TransferError(f"cannot describe the pool of {peer_name!r}: {type(exc).__name__}: {exc}",
                                     grpc.StatusCode.INVALID_ARGUMENT) from None
@@ -603,23 +376,3 @@ class NixlInitiator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _ranges(ranges: Sequence[tuple[int, int]] | np.ndarray, what: str) -> np.ndarray:
-    arr = np.asarray(ranges, dtype=np.int64) if len(ranges) else np.zeros((0, 2), np.int64)
-    if arr.ndim != 2 or arr.shape[1] != 2:
-        raise ValueError(f"{what} must be a sequence of (address, nbytes) pairs")
-    if len(arr) and (arr[:, 0].min() <= 0 or arr[:, 1].min() <= 0):
-        raise ValueError(f"{what}: addresses and sizes must be positive")
-    return arr
-
-
-def _descs(ranges: np.ndarray, device: int) -> np.ndarray:
-    """NIXL's ``(N, 3)`` descriptor array: address, nbytes, device id."""
-    descs = np.empty((len(ranges), 3), dtype=np.uint64)
-    descs[:, :2], descs[:, 2] = ranges, device
-    return descs
-
-
-def _name(name: str | bytes) -> str:
-    return name.decode() if isinstance(name, bytes) else name

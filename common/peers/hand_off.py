@@ -1,0 +1,66 @@
+"""The three-call hand-off, as the router and the decode node both run it: whether a prompt goes
+to a prefill node at all, then PrepareReceive, RemoteSend, StartGeneration.
+
+The two callers differ only in how they reach the decode node (the router over gRPC, the decode
+node in process), which `HandOffSteps` hides; the policy is written once, here.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Generic, Protocol, TypeVar
+
+from common.peers.prefill_pool import PrefillPool
+from common.tracing import Tracer
+from protos.duet.v1 import duet_pb2 as pb
+
+T = TypeVar("T", covariant=True)
+
+
+def worth_remote(prompt_tokens: int, cached_tokens: int, min_remote_prefill_tokens: int, scoring_prompt: bool,
+                 prefill: PrefillPool) -> bool:
+    """Whether a prompt should be prefilled by a prefill node: not when it asks for prompt
+    logprobs (those are computed whole on the decode node), not without a healthy prefill node,
+    and not when what the decode node lacks (beyond `cached_tokens`, less the last token it
+    always computes itself) is under --min-remote-prefill-tokens."""
+    return (not scoring_prompt and prefill.healthy()
+            and prompt_tokens - 1 - cached_tokens >= min_remote_prefill_tokens)
+
+
+class HandOffSteps(Protocol, Generic[T]):
+    """How one caller reaches the decode node it hands a request to."""
+
+    decode_address: str
+
+    def prepare(self) -> pb.PrepareReceiveResponse | None:
+        """PrepareReceive; None when the decode node has no room now (its Generate queues
+        instead of refusing)."""
+
+    def still_wanted(self) -> bool:
+        """Whether the reservation is still worth filling (not aborted, expired or cancelled)."""
+
+    def release(self) -> None:
+        """Give the reservation back: its KV will not arrive."""
+
+    def start(self, kv_window_begin: int) -> T | None:
+        """StartGeneration; None when the reservation is gone after all (then it is released)."""
+
+
+def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], prefill: PrefillPool,
+             tracer: Tracer | None = None) -> T | None:
+    """Run the three calls; None when the KV did not arrive (nothing is left reserved), so the
+    caller falls back to the decode node's own prefill."""
+    p = steps.prepare()
+    if p is None:
+        return None
+    if p.kv_window_end > p.kv_window_begin:
+        request = pb.RemoteSendRequest(
+            request_id=request_id, token_ids=tokens, kv_window_begin=p.kv_window_begin,
+            kv_window_end=p.kv_window_end, kv_append_metadata=p.kv_append_metadata,
+            decode_address=steps.decode_address, transfer_nonce=p.transfer_nonce)
+        with tracer.span(request_id, "remote_prefill") if tracer else nullcontext({}) as span:
+            span["prefill"] = prefill.push(request, still_wanted=steps.still_wanted,
+                                           lease_deadline_unix=p.lease_deadline_unix)
+        if span["prefill"] is None or not steps.still_wanted():
+            steps.release()
+            return None
+    return steps.start(p.kv_window_end)

@@ -1,0 +1,208 @@
+"""The receiving half of the TCP transport: a listener on the KV owner's pool that lets each
+connection write only the window admitted for its (request id, nonce).
+
+A connection's window is fenced (fences.py) from its first frame until the connection ends, so a
+lease that expires mid-transfer cannot hand those pages to another request before the writer is
+done, and nothing needs a quarantine: the receiver does the writing, so a closed connection is
+proof that nothing more lands. A writer that goes silent keeps the fence only while the
+reservation is alive: once it is gone, a stall of POLL_S drops the connection and the fence.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import torch
+
+from common.errors import NotFound, PermissionDenied, RequestError
+from common.kv.pool import KVPool
+from common.transports.connector import WriteWindow
+from common.transports.fences import WriteFences
+from common.transports.tcp.wire import (
+    BEGIN,
+    LAYER,
+    MAGIC,
+    OP,
+    OP_END,
+    OP_LAYER,
+    RUNS,
+    STAGE_BELOW,
+    at_least,
+    host_buffer,
+    recv_exact,
+    recv_into_all,
+    recv_struct,
+    reply,
+    slot_views,
+    through_host,
+    writable_bytes,
+)
+from cuda.paged_kv import scatter_to_slots
+from protos.duet.v1 import duet_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_BYTES = 1024
+BEGIN_TIMEOUT_S = 10.0  # a connection must say which window it writes within this
+POLL_S = 1.0  # how often a receiver waiting for bytes checks its reservation is still alive
+
+
+class TcpReceiver:
+    """Accepts transfers into `pool` for the windows admitted with `admit`."""
+
+    transport = "tcp"
+
+    def __init__(self, pool: KVPool, fences: WriteFences, host: str = "127.0.0.1", advertise_host: str = "",
+                 port: int = 0, max_connections: int = 64) -> None:
+        self.pool = pool
+        self.fences = fences
+        self._windows: dict[tuple[str, int], WriteWindow] = {}
+        self._windows_lock = threading.Lock()
+        self._listener = socket.create_server((host, port), backlog=max_connections)
+        self.address = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="tcp-kv-accept", daemon=True).start()
+
+    def info(self) -> pb.TransportInfo:
+        return pb.TransportInfo(transport=self.transport, tcp_address=self.address)
+
+    def admit(self, window: WriteWindow) -> None:
+        with self._windows_lock:  # windows of gone reservations go on the way
+            self._windows = {k: w for k, w in self._windows.items() if w.alive()}
+            self._windows[(window.request_id, window.nonce)] = window
+
+    def complete(self, request_id: str, nonce: int) -> bool:
+        """No fence outlives its connection here, so there is never one to lift."""
+        with self._windows_lock:
+            self._windows.pop((request_id, nonce), None)
+        return False
+
+    def _window(self, request_id: str, nonce: int) -> WriteWindow:
+        with self._windows_lock:
+            window = self._windows.get((request_id, nonce))
+            if window is not None and window.alive():
+                return window
+            if any(rid == request_id and w.alive() for (rid, _), w in self._windows.items()):
+                raise PermissionDenied(f"transfer_nonce does not match the one issued for {request_id!r}")
+        raise NotFound(f"no transfer into {request_id!r} is admitted: it never began (BeginTransfer), "
+                       "already completed, or its reservation expired or was aborted")
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                reply(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, "receiver busy: too many concurrent transfers")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-kv-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        fence = None
+        try:
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(BEGIN_TIMEOUT_S)
+                magic, id_len, nonce = recv_struct(conn, BEGIN)
+                if magic != MAGIC or id_len > MAX_REQUEST_ID_BYTES:
+                    raise ValueError("not a duet KV transfer")
+                request_id = bytearray(id_len)
+                recv_exact(conn, memoryview(request_id))
+                try:
+                    window = self._window(request_id.decode(), nonce)
+                except RequestError as exc:
+                    reply(conn, exc.code, str(exc))
+                    return
+                fence = self.fences.raise_fence(window, quarantine=False)
+                conn.settimeout(POLL_S)
+                self._receive_writes(conn, window)
+                reply(conn, grpc.StatusCode.OK, "")
+        except Exception as exc:  # a broken sender must not take the receiver down
+            log.warning("KV transfer failed", extra={"fields": {"error": str(exc)}})
+        finally:
+            if fence is not None:
+                self.fences.lift(fence)
+            self._slots.release()
+
+    def _receive_writes(self, conn: socket.socket, window: WriteWindow) -> None:
+        """Receive frames until END. A host pool's staged frames are scattered on a helper thread
+        (torch's copy runs without the GIL) while the next frame arrives; all are done on return."""
+        on_host = not self.pool.data.is_cuda
+        scatters = ThreadPoolExecutor(1, thread_name_prefix="tcp-kv-scatter") if on_host else None
+        pending: Future | None = None
+        buffers: list[torch.Tensor | None] = [None, None]
+        try:
+            for layer, slot, n in self._frames(conn, window):
+                if not (through_host(self.pool) or int(n.sum()) * self.pool.slot_bytes() < STAGE_BELOW * len(n)):
+                    sb, pairs = self.pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
+                    views = [view for kv in (0, 1)
+                             for view in slot_views(writable_bytes(self.pool.data[layer, kv]), sb, pairs)]
+                    recv_into_all(conn, views, window.alive)
+                    continue
+                rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
+                shape = (2, len(rows), *self.pool.data.shape[3:])
+                if on_host:  # two buffers, reused: one is received into while the other is scattered
+                    buffers[0], buffers[1] = buffers[1], at_least(buffers[0], self.pool.data, math.prod(shape))
+                    staged = buffers[1][: math.prod(shape)].view(shape)
+                else:
+                    staged = host_buffer(self.pool.data[layer, :, : len(rows)])
+                recv_exact(conn, writable_bytes(staged), window.alive)
+                if pending is not None:
+                    pending.result()
+                if scatters is None:
+                    self._scatter(layer, staged, rows)
+                else:
+                    pending = scatters.submit(self._scatter, layer, staged, rows)
+            if pending is not None:
+                pending.result()
+        finally:
+            if scatters is not None:
+                scatters.shutdown(wait=True)
+
+    def _frames(self, conn: socket.socket, window: WriteWindow) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Each LAYER frame's layer and runs (first slots, lengths), checked against the window,
+        until END; its payload must be read before the next one is asked for."""
+        pool, alive = self.pool, window.alive
+        segments = np.array(sorted(window.segments), dtype=np.int64).reshape(-1, 2)
+        starts, ends = segments[:, 0], segments[:, 0] + segments[:, 1]
+        while True:
+            (op,) = recv_struct(conn, OP, alive)
+            if op == OP_END:
+                return
+            if op != OP_LAYER:
+                raise ValueError(f"unknown frame type {op}")
+            layer, num_runs = recv_struct(conn, LAYER, alive)
+            if not (layer < pool.num_layers and 0 < num_runs <= pool.num_slots):
+                self._refuse(conn, f"a frame for layer {layer} with {num_runs} runs")
+            raw = bytearray(num_runs * RUNS.itemsize)
+            recv_exact(conn, memoryview(raw), alive)
+            runs = np.frombuffer(raw, dtype=RUNS)
+            slot, n = runs["slot"].astype(np.int64), runs["n"].astype(np.int64)
+            seg = np.searchsorted(starts, slot, side="right") - 1
+            granted = (seg >= 0) & (n > 0) & (slot + n <= ends[np.maximum(seg, 0)])
+            if not granted.all():
+                bad = int(np.flatnonzero(~granted)[0])
+                self._refuse(conn, f"layer {layer} slots [{slot[bad]}, {slot[bad] + n[bad]})")
+            yield layer, slot, n
+
+    def _scatter(self, layer: int, staged: torch.Tensor, rows: torch.Tensor) -> None:
+        """A staged frame into its slots with one indexed copy."""
+        scatter_to_slots(self.pool.data[layer], staged.to(self.pool.data.device, non_blocking=True), rows)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, what: str) -> None:
+        reply(conn, grpc.StatusCode.PERMISSION_DENIED, f"write outside the reservation: {what}")
+        raise ValueError("write outside the reservation")

@@ -1,0 +1,173 @@
+"""The decode node's half of the three-call hand-off: PrepareReceive reserves pages for a
+prompt's window and says where its KV goes, StartGeneration claims the filled reservation into
+the scheduler; and, for Generate, the same three calls run in process with a prefill node
+(common/peers/hand_off.py, the policy the router runs too).
+
+A reservation counts as admitted from PrepareReceive on (decode_node/admission.py), so
+StartGeneration never finds the node full after the KV was moved.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+from common.daemon_limits import check_request_id
+from common.engine.core import Engine, Sequence
+from common.engine.sampling import SamplingParams
+from common.engine.scheduler import RequestHandle, Scheduler
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from common.kv.segments import Segments, slot_range
+from common.peers.hand_off import hand_off
+from common.peers.prefill_pool import PrefillPool
+from common.tracing import Tracer
+from decode_node.admission import Admission
+from decode_node.config import DecodeNodeConfig
+from decode_node.metrics import DecodeMetrics
+from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
+from protos.duet.v1 import duet_pb2 as pb
+
+
+class HandOff:
+    def __init__(self, config: DecodeNodeConfig, engine: Engine, scheduler: Scheduler, requests: RequestTable,
+                 admission: Admission, prefill_pool: PrefillPool, metrics: DecodeMetrics, tracer: Tracer,
+                 check_prompt: Callable[[Seq[int]], list[int]]) -> None:
+        self.config = config
+        self.engine = engine
+        self.scheduler = scheduler
+        self.requests = requests
+        self.admission = admission
+        self.prefill_pool = prefill_pool
+        self.metrics = metrics
+        self.tracer = tracer
+        self._check_prompt = check_prompt
+
+    def new_request(self, request_id: str) -> LiveRequest:
+        """A QUEUED entry for `request_id`, unless one is live (call with the engine lock held,
+        around what admits it, so no one else takes the id meanwhile)."""
+        if self.requests.get(request_id) is not None:
+            raise AlreadyExists(f"request {request_id!r} is still live; use a new request_id or Abort it first")
+        return self.requests.add(request_id)
+
+    def footprint(self, positions: int) -> int:
+        """Pages a sequence of `positions` positions occupies at most (a sliding window caps it)."""
+        pages = -(-positions // self.engine.page_size)
+        window = self.engine.window
+        return pages if window is None else min(pages, window.max_pages(self.engine.page_size))
+
+    def admitted_sequence(self, request_id: str, tokens: list[int], end: int, receiving: bool,
+                          use_prefix_cache: bool = True) -> tuple[Sequence, int]:
+        """If admission lets it start now: a sequence holding the cached prefix of `tokens` and
+        pages for positions up to `end`, and the first position it needs computed elsewhere
+        (`receiving`: by a writer) or here. Else NotAdmitted, with nothing held."""
+        seq = self.engine.new_sequence(request_id, tokens, use_prefix_cache)
+        try:
+            begin = self.engine.receive_begin(seq, end) if receiving else seq.num_computed
+            self.admission.require_fit(self.engine.pages_needed(seq, end), len(tokens))
+            self.engine.reserve(seq, end)
+        except BaseException:
+            self.engine.release(seq, cache=False)
+            raise
+        return seq, begin
+
+    def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None,
+                        cancelled: Callable[[], bool] = lambda: False,
+                        deadline: float | None = None) -> pb.PrepareReceiveResponse:
+        """Reserve slots for positions [kv_window_begin, end) of the prompt: from the end of the
+        cached prefix, or with a sliding window from the first position still attended. With
+        --admission queue it waits for room until `cancelled()` or the `deadline` (monotonic)."""
+        check_request_id(request_id)
+        tokens = self._check_prompt(token_ids)
+        n = len(tokens)
+        end = -1 if kv_window_end is None else kv_window_end
+        resolved = end + n if end < 0 else end
+        if not 0 <= resolved < n:
+            raise InvalidArgument(f"kv_window_end {end} resolves to {resolved}, outside [0, {n}) for a "
+                                  f"{n}-token prompt (the decode node computes at least the last token)")
+        with self.engine.lock:
+            entry = self.new_request(request_id)
+            try:
+                seq, begin = self.admission.admit(
+                    request_id, self.footprint(resolved), n,
+                    lambda: self.admitted_sequence(request_id, tokens, resolved, receiving=True),
+                    cancelled, deadline)
+            except BaseException:
+                self.requests.move(entry, Status.ABORTED)
+                raise
+            matched = seq.num_computed
+            segments = Segments.of_slots(slot_range(seq.pages, self.engine.page_size, begin, max(begin, resolved)))
+            lease_deadline = time.time() + self.config.lease_seconds
+            entry.reservation = Reservation(seq, matched, resolved, segments, secrets.randbits(63), lease_deadline)
+            self.requests.move(entry, Status.RESERVED)
+            if matched >= resolved:  # the prefix cache holds it all: nothing to send
+                self.requests.move(entry, Status.RECEIVED)
+        self.tracer.event(request_id, "prefix_matched", matched_tokens=matched, prompt_tokens=n)
+        self.tracer.event(request_id, "pages_reserved", pages=len(seq.held_pages), slots=segments.num_slots)
+        self.metrics.prefix_hit_tokens.inc(matched)
+        return pb.PrepareReceiveResponse(
+            prompt_length=n, prefix_matched_length=matched, kv_window_begin=begin, kv_window_end=resolved,
+            kv_append_metadata=segments.to_wire(), lease_deadline_unix=lease_deadline,
+            transfer_nonce=entry.reservation.nonce)
+
+    def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
+        if params.prompt_logprobs is not None:
+            raise InvalidArgument("prompt_logprobs needs the whole prompt computed on the decode node: send it "
+                                  "with Generate (StartGeneration continues a prompt prefilled elsewhere)")
+        with self.engine.lock:
+            entry = self.requests.get(request_id)
+            if entry is None or entry.status not in HOLDING_RESERVATION:
+                raise NotFound(f"no reservation {request_id!r}: call PrepareReceive first (or it expired)")
+            r = entry.reservation
+            if kv_window_begin != r.end:
+                raise InvalidArgument(f"kv_window_begin {kv_window_begin} must equal the reservation's "
+                                      f"kv_window_end {r.end}")
+            if entry.status is not Status.RECEIVED:
+                raise FailedPrecondition(f"the KV transfer for {request_id!r} has not completed yet")
+            r.seq.num_computed = max(r.prefix_matched, r.end)
+            self.requests.move(entry, Status.RUNNING)
+            return self.scheduler.submit(request_id, r.seq, params)
+
+    def generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams,
+                        cancelled: Callable[[], bool], deadline: float | None) -> tuple[RequestHandle | None, bool]:
+        """The three calls with a prefill node: the handle, or None when the KV did not arrive;
+        and whether the request was aborted meanwhile (then Generate must not prefill it here)."""
+        steps = _InProcessSteps(self, request_id, tokens, params, cancelled, deadline)
+        handle = hand_off(request_id, tokens, steps, self.prefill_pool, self.tracer)
+        return handle, steps.entry is not None and steps.entry.status is Status.ABORTED
+
+
+class _InProcessSteps:
+    """The hand-off's steps as the decode node runs them on itself."""
+
+    def __init__(self, node: HandOff, request_id: str, tokens: list[int], params: SamplingParams,
+                 cancelled: Callable[[], bool], deadline: float | None) -> None:
+        self.decode_address = node.config.advertise_address
+        self._node, self._request_id, self._tokens, self._params = node, request_id, tokens, params
+        self._cancelled, self._deadline = cancelled, deadline
+        self.entry: LiveRequest | None = None
+
+    def prepare(self) -> pb.PrepareReceiveResponse | None:
+        n = len(self._tokens)
+        end = min(int((1 - self._node.config.pd_balance) * n), n - 1)
+        try:
+            p = self._node.prepare_receive(self._request_id, self._tokens, end, self._cancelled, self._deadline)
+        except ResourceExhausted:
+            return None  # local prefill queues in the scheduler (or admission) instead of refusing
+        self.entry = self._node.requests.get(self._request_id)
+        return p
+
+    def still_wanted(self) -> bool:
+        return self._node.requests.holds_reservation(self.entry) and not self._cancelled()
+
+    def release(self) -> None:
+        with self._node.engine.lock:
+            if self._node.requests.holds_reservation(self.entry):
+                self._node.requests.move(self.entry, Status.FAILED)
+
+    def start(self, kv_window_begin: int) -> RequestHandle | None:
+        try:
+            return self._node.start_generation(self._request_id, kv_window_begin, self._params)
+        except (NotFound, FailedPrecondition):  # expired or aborted meanwhile
+            self.release()
+            return None

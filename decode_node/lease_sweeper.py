@@ -1,0 +1,45 @@
+"""A thread that ends reservations whose lease ran out before StartGeneration, and lifts write
+fences whose quarantine is over (their writer never reported back)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from common.tracing import Tracer
+from common.transports.fences import WriteFences
+from decode_node.metrics import DecodeMetrics
+from decode_node.request_table import RequestTable, Status
+
+log = logging.getLogger(__name__)
+
+
+class LeaseSweeper:
+    def __init__(self, requests: RequestTable, fences: WriteFences, metrics: DecodeMetrics, tracer: Tracer,
+                 sweep_seconds: float = 0.1) -> None:
+        self._requests = requests
+        self._fences = fences
+        self._metrics = metrics
+        self._tracer = tracer
+        self._sweep_seconds = sweep_seconds
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lease-sweeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(self._sweep_seconds):
+            expired = self._requests.expire_due(time.time())
+            if unfenced := self._fences.expire_due(time.monotonic()):
+                log.warning("writers never reported back; their pages leave quarantine",
+                            extra={"fields": {"fences": unfenced}})
+                self._metrics.quarantine_expiries.inc(unfenced)
+            for entry in expired:
+                log.info("lease expired", extra={"fields": {"request_id": entry.request_id}})
+                self._metrics.lease_expiries.inc()
+                if entry.status is Status.RECEIVING:
+                    self._metrics.transfers.failed("lease_expired")
+                self._tracer.event(entry.request_id, "lease_expired")
