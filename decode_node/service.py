@@ -12,7 +12,7 @@ import grpc
 from common.engine.guided import GrammarCompiler
 from common.engine.scheduler import RequestHandle
 from common.errors import RequestError
-from common.serving.kv_event_stream import KvEventStreams
+from common.serving.node_rpcs import NodeRpcs
 from common.serving.prompts import prompt_token_ids
 from common.serving.rpc_convert import chunk_to_proto, sampling_from_proto
 from decode_node.node import DecodeNode
@@ -27,10 +27,9 @@ def _deadline(context: grpc.ServicerContext) -> float:
     return time.monotonic() + context.time_remaining()
 
 
-class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
+class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
     def __init__(self, node: DecodeNode, draining: threading.Event | None = None) -> None:
-        self.node = node
-        self.kv_events = KvEventStreams(node.engine.kv_events, draining or threading.Event())
+        super().__init__(node, draining)
         self.metrics = node.metrics
         self.grammars = GrammarCompiler(node.tokenizer, node.vocab_size)
 
@@ -91,14 +90,6 @@ class DecodeNodeService(duet_pb2_grpc.DecodeNodeServicer):
             self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)
 
-    def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.NodeLoad:
-        return self.node.load()
-
-    def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.Trace:
-        return self.node.tracer.trace(request.request_ids)
-
-    def WatchKvEvents(self, request: pb.WatchKvEventsRequest, context) -> Iterator[pb.KvEvent]:
-        yield from self.kv_events.watch(request, context)
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         try:

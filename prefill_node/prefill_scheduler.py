@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common.engine.core import Engine, Sequence
+from common.engine.core import Engine, Sequence, locked
 from common.engine.loop import EngineLoop
 from common.errors import Internal, RequestError, ResourceExhausted, Unavailable
 from common.kv.page_allocator import OutOfPages
@@ -82,16 +82,17 @@ class PrefillScheduler(EngineLoop):
             else:
                 self.engine.release(job.seq, cache=cache)
 
+    @locked
     def num_jobs(self) -> int:
-        with self.engine.lock:
-            return len(self._jobs) + len(self._waiting)
+        return len(self._jobs) + len(self._waiting)
 
+    @locked
     def pending_tokens(self) -> int:
-        with self.engine.lock:
-            return sum(j.seq.num_pending for j in self._jobs + self._waiting)
+        return sum(j.seq.num_pending for j in self._jobs + self._waiting)
 
+    @locked
     def _admit(self) -> None:
-        """Reserve pages for waiting jobs in order (called with the lock held)."""
+        """Reserve pages for waiting jobs in order."""
         while self._waiting:
             job = self._waiting[0]
             try:

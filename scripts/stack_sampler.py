@@ -27,7 +27,7 @@ CATEGORIES = [
     ("idle (waiting for work)", "scheduler.py", "next_chunk"),
     ("engine: attention", "paged_attention.py", None),
     ("engine: model forward (other)", "common/model/model.py", "forward"),
-    ("engine: batch building", "common/engine/engine.py", None),
+    ("engine: batch building", "common/engine/core.py", None),
     ("sampling", "common/engine/sampling.py", None),
     ("detokenization", "common/model/detokenizer.py", None),
     ("scheduler bookkeeping", "common/engine/scheduler.py", None),

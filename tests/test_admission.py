@@ -21,6 +21,7 @@ from common.engine.sampling import SamplingParams
 from common.errors import Aborted, DeadlineExceeded, ResourceExhausted
 from decode_node.config import DecodeNodeConfig
 from decode_node.node import DecodeNode
+from decode_node.request_table import Status
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
 from tests.reference import FP32, hf_greedy
@@ -28,6 +29,10 @@ from tests.reference import FP32, hf_greedy
 PAGE = 16
 POOL = 16
 
+
+
+def _queued(node) -> int:
+    return node.requests.counts()[Status.QUEUED]
 
 def _ids(n: int, seed: int) -> list[int]:
     return random.Random(seed).choices(range(100, 40000), k=n)
@@ -65,7 +70,7 @@ def refusals(node: DecodeNode, reason: str) -> float:
 
 def assert_pool_whole(node: DecodeNode) -> None:
     with node.engine.lock:
-        assert node.admission.queue_depth == 0 and len(node.reservations) == 0
+        assert not node.requests.counts()
         assert node.engine.allocator.num_free + node.engine.prefix_cache.num_cached_pages == POOL
 
 
@@ -87,11 +92,11 @@ def test_queue_is_fifo_a_big_head_is_not_starved_by_small_requests(model, tokeni
     with in_process_node(model, tokenizer, admission="queue") as node, ThreadPoolExecutor(2) as pool:
         node.prepare_receive("hold", _prompt_for(12, 1), None)
         big = pool.submit(node.prepare_receive, "big", _prompt_for(8, 2), None)
-        wait_for(lambda: node.admission.queue_depth == 1)
+        wait_for(lambda: _queued(node) == 1)
         small = pool.submit(node.prepare_receive, "small", _prompt_for(2, 3), None)  # would fit in the 4 free
-        wait_for(lambda: node.admission.queue_depth == 2)
+        wait_for(lambda: _queued(node) == 2)
         time.sleep(0.3)  # several wake-ups of both waiters
-        assert not big.done() and not small.done() and "small" not in node.reservations
+        assert not big.done() and not small.done() and node.requests.get("small").status is Status.QUEUED
         node.abort("hold")
         assert big.result(timeout=5).kv_window_end == 8 * PAGE
         assert small.result(timeout=5).kv_window_end == 2 * PAGE

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.kv.segments import expand_slots
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
+from tests.helpers import wire_slots
 from tests.reference import FP32, hf_greedy
 
 PAGE = 16
@@ -100,7 +100,7 @@ def test_prepare_receive_metadata_describes_the_reserved_window(node):
     r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="meta", token_ids=prompt))
     assert r.prompt_length == 45 and r.kv_window_end == 44 and r.prefix_matched_length == 0
     md = list(r.kv_append_metadata)
-    assert len(md) == 2 * md[0] + 1 and len(expand_slots(md)) == 44
+    assert len(md) == 2 * md[0] + 1 and len(wire_slots(md)) == 44
     assert r.lease_deadline_unix > time.time() and r.transfer_nonce > 0
     node.stub.Abort(pb.AbortRequest(request_id="meta"))
 
@@ -109,7 +109,7 @@ def test_prepare_receive_metadata_describes_the_reserved_window(node):
 def test_kv_window_end_resolution(node, end, expected):
     rid = f"end{end}"
     r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=_ids(10, 2), kv_window_end=end))
-    assert r.kv_window_end == expected and len(expand_slots(list(r.kv_append_metadata))) == expected
+    assert r.kv_window_end == expected and len(wire_slots(r.kv_append_metadata)) == expected
     if expected == 0:
         assert list(r.kv_append_metadata) == [0]
     node.stub.Abort(pb.AbortRequest(request_id=rid))
@@ -132,7 +132,7 @@ def test_prefix_reuse_shrinks_the_reserved_range(node):
     run(node.stub.Generate(pb.GenerateRequest(token_ids=prompt[:40], sampling=greedy(1))))
     r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="reuse", token_ids=prompt))
     assert r.prefix_matched_length == 40  # two full pages and the 8 positions of the tail page
-    assert len(expand_slots(list(r.kv_append_metadata))) == 49 - 40
+    assert len(wire_slots(r.kv_append_metadata)) == 49 - 40
     node.stub.Abort(pb.AbortRequest(request_id="reuse"))
 
 
@@ -144,7 +144,7 @@ def test_concurrent_reservations_never_share_a_slot(node):
         replies = list(pool.map(reserve, range(24)))
     seen: set[int] = set()
     for r in replies:
-        slots = set(expand_slots(list(r.kv_append_metadata)))
+        slots = set(wire_slots(r.kv_append_metadata))
         assert len(slots) == 69 and not slots & seen
         seen |= slots
     for i in range(24):
@@ -156,13 +156,13 @@ def test_fragmented_pool_gives_multi_segment_metadata(small_node):
     slots = {}
     for name in "abcd":  # 15 pages each: 60 of 64 used
         r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=name, token_ids=_ids(241, ord(name))))
-        slots[name] = set(expand_slots(list(r.kv_append_metadata)))
+        slots[name] = set(wire_slots(r.kv_append_metadata))
     for name in "bd":  # free runs of 15 and 19 pages: no run holds 20
         stub.Abort(pb.AbortRequest(request_id=name))
     r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="e", token_ids=_ids(321, 9)))
     md = list(r.kv_append_metadata)
     assert md[0] >= 2, md
-    e = set(expand_slots(md))
+    e = set(wire_slots(md))
     assert len(e) == 320 and not e & slots["a"] and not e & slots["c"]
     for name in "ace":
         stub.Abort(pb.AbortRequest(request_id=name))

@@ -18,11 +18,11 @@ import torch
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
-from common.kv.segments import expand_slots
 from common.serving.fingerprint import fingerprint_of
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, free_port
+from tests.helpers import wire_slots
 from tests.reference import FP32, engine_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -264,7 +264,7 @@ def test_prepare_receive(nodes, rid, tokens, end):
             assert r.prompt_length == n and r.kv_window_end == want_end and 0 <= r.kv_window_end < n
             md = list(r.kv_append_metadata)
             assert len(md) == 2 * md[0] + 1
-            slots = expand_slots(md)
+            slots = wire_slots(md)
             assert len(slots) == max(0, r.kv_window_end - r.prefix_matched_length)
             assert all(0 <= s < DECODE_PAGES * 16 for s in slots) and len(set(slots)) == len(slots)
             assert r.transfer_nonce > 0 and r.lease_deadline_unix > time.time() - 1

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from common.engine.core import Engine
-from common.kv.segments import MetadataError, Segments, slot_range
+from common.kv.segments import slot_range
 from decode_node.config import DecodeNodeConfig
 from decode_node.node import DecodeNode
 from decode_node.service import DecodeNodeService
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import UCX_ENV, prefill_node
+from tests.helpers import wire_slots
 from tests.reference import FP32
 
 
@@ -45,7 +46,7 @@ def test_received_kv_equals_locally_computed(in_process_decode_node, model, tmp_
             request_id="kv", token_ids=prompt, kv_window_begin=0, kv_window_end=p.kv_window_end,
             kv_append_metadata=p.kv_append_metadata, decode_address=node.config.advertise_address,
             transfer_nonce=p.transfer_nonce))
-    received = node.engine.pool.data[:, :, expand_slots(p.kv_append_metadata)]
+    received = node.engine.pool.data[:, :, wire_slots(p.kv_append_metadata)]
 
     local = Engine(model, num_pages=32, page_size=16)
     seq = local.new_sequence("local", prompt[:-1] + [0], use_prefix_cache=False)

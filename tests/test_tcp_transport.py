@@ -20,18 +20,16 @@ from common.transports import TransferError
 from common.transports.connector import WriteWindow
 from common.transports.fences import WriteFences
 from common.transports.pieces import Piece
-from common.transports.tcp import receiver as tcp_receiver
-from common.transports.tcp import sender as tcp_sender
+from common.transports.tcp import wire
 from common.transports.tcp.receiver import TcpReceiver
 from common.transports.tcp.sender import TcpTransfer
 
 
 @pytest.fixture(autouse=True, params=["in-place", "staged", "short-runs"])
 def staged(request, monkeypatch) -> bool:
-    for module in (tcp_receiver, tcp_sender):
-        monkeypatch.setattr(module, "through_host", lambda pool: request.param == "staged")
-        if request.param == "in-place":  # these runs are short: send and receive them in place all the same
-            monkeypatch.setattr(module, "STAGE_BELOW", 0)
+    monkeypatch.setattr(wire, "through_host", lambda pool: request.param == "staged")
+    if request.param == "in-place":  # these runs are short: send and receive them in place all the same
+        monkeypatch.setattr(wire, "STAGE_BELOW", 0)
     return request.param == "staged"
 
 
@@ -108,8 +106,8 @@ def test_a_failed_device_copy_fails_the_transfer(monkeypatch):
     def broken_copy():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(tcp_sender, "through_host", lambda pool: True)
-    monkeypatch.setattr(tcp_sender, "stage_on_host", lambda pool, layer, pieces: (torch.ones(2, 5, 2, 4), broken_copy))
+    monkeypatch.setattr(wire, "through_host", lambda pool: True)
+    monkeypatch.setattr(wire, "stage_on_host", lambda pool, layer, pieces: (torch.ones(2, 5, 2, 4), broken_copy))
     src, dst = _pools()
     receiver, _ = _receiver(dst, [(20, 5)])
     try:

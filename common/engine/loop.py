@@ -28,8 +28,9 @@ class EngineLoop:
             self._on_stop()
 
     def notify(self) -> None:
-        """Call with the lock held after adding work."""
-        self._wakeup.notify()
+        """Wake the loop after adding work."""
+        with self._wakeup:
+            self._wakeup.notify()
 
     def _run(self) -> None:
         while True:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.core import Engine, Sequence
+from common.engine.core import Engine, Sequence, locked
 from common.engine.loop import EngineLoop
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
@@ -205,25 +205,16 @@ class Scheduler(EngineLoop):
             self.notify()
             return True
 
-    def is_active(self, request_id: str) -> bool:
-        with self.lock:
-            return any(r.request_id == request_id for r in self._active)
-
+    @locked
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens of admitted requests not yet computed."""
-        with self.lock:
-            return sum(r.seq.num_pending for r in self._active if r.seq.num_pending > 1)
+        return sum(r.seq.num_pending for r in self._active if r.seq.num_pending > 1)
 
-    def num_active(self) -> int:
-        """Requests running here (the samples of one count once)."""
-        with self.lock:
-            return len({id(r.group) for r in self._active})
-
+    @locked
     def total_tokens(self) -> int:
         """Prompt plus generated tokens of every admitted request (the decode node's
         --max-total-tokens load)."""
-        with self.lock:
-            return sum(len(r.seq.token_ids) for r in self._active)
+        return sum(len(r.seq.token_ids) for r in self._active)
 
     # ---- the loop ----
 
@@ -281,8 +272,9 @@ class Scheduler(EngineLoop):
             self._finish(r, [], "", "abort")
         self._aborts.clear()
 
+    @locked
     def _plan_step(self) -> list[tuple[_Request, int]]:
-        """Pick this step's work and reserve its pages (called with the lock held)."""
+        """Pick this step's work and reserve its pages."""
         work: list[tuple[_Request, int]] = []
         budget = self.max_batch_tokens
         decoding = [r for r in self._active if r.seq.num_pending == 1]

@@ -24,25 +24,7 @@ from common.errors import NotFound, PermissionDenied, RequestError
 from common.kv.pool import KVPool
 from common.transports.connector import WriteWindow
 from common.transports.fences import WriteFences
-from common.transports.tcp.wire import (
-    BEGIN,
-    LAYER,
-    MAGIC,
-    OP,
-    OP_END,
-    OP_LAYER,
-    RUNS,
-    STAGE_BELOW,
-    at_least,
-    host_buffer,
-    recv_exact,
-    recv_into_all,
-    recv_struct,
-    reply,
-    slot_views,
-    through_host,
-    writable_bytes,
-)
+from common.transports.tcp import wire
 from cuda.paged_kv import scatter_to_slots
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -105,7 +87,7 @@ class TcpReceiver:
             except OSError:
                 return
             if not self._slots.acquire(blocking=False):
-                reply(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, "receiver busy: too many concurrent transfers")
+                wire.reply(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, "receiver busy: too many concurrent transfers")
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="tcp-kv-conn", daemon=True).start()
@@ -116,20 +98,20 @@ class TcpReceiver:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.settimeout(BEGIN_TIMEOUT_S)
-                magic, id_len, nonce = recv_struct(conn, BEGIN)
-                if magic != MAGIC or id_len > MAX_REQUEST_ID_BYTES:
+                magic, id_len, nonce = wire.recv_struct(conn, wire.BEGIN)
+                if magic != wire.MAGIC or id_len > MAX_REQUEST_ID_BYTES:
                     raise ValueError("not a duet KV transfer")
                 request_id = bytearray(id_len)
-                recv_exact(conn, memoryview(request_id))
+                wire.recv_exact(conn, memoryview(request_id))
                 try:
                     window = self._window(request_id.decode(), nonce)
                 except RequestError as exc:
-                    reply(conn, exc.code, str(exc))
+                    wire.reply(conn, exc.code, str(exc))
                     return
                 fence = self.fences.raise_fence(window, quarantine=False)
                 conn.settimeout(POLL_S)
                 self._receive_writes(conn, window)
-                reply(conn, grpc.StatusCode.OK, "")
+                wire.reply(conn, grpc.StatusCode.OK, "")
         except Exception as exc:  # a broken sender must not take the receiver down
             log.warning("KV transfer failed", extra={"fields": {"error": str(exc)}})
         finally:
@@ -146,20 +128,20 @@ class TcpReceiver:
         buffers: list[torch.Tensor | None] = [None, None]
         try:
             for layer, slot, n in self._frames(conn, window):
-                if not (through_host(self.pool) or int(n.sum()) * self.pool.slot_bytes() < STAGE_BELOW * len(n)):
+                if not (wire.through_host(self.pool) or int(n.sum()) * self.pool.slot_bytes() < wire.STAGE_BELOW * len(n)):
                     sb, pairs = self.pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
                     views = [view for kv in (0, 1)
-                             for view in slot_views(writable_bytes(self.pool.data[layer, kv]), sb, pairs)]
-                    recv_into_all(conn, views, window.alive)
+                             for view in wire.slot_views(wire.writable_bytes(self.pool.data[layer, kv]), sb, pairs)]
+                    wire.recv_into_all(conn, views, window.alive)
                     continue
                 rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
                 shape = (2, len(rows), *self.pool.data.shape[3:])
                 if on_host:  # two buffers, reused: one is received into while the other is scattered
-                    buffers[0], buffers[1] = buffers[1], at_least(buffers[0], self.pool.data, math.prod(shape))
+                    buffers[0], buffers[1] = buffers[1], wire.at_least(buffers[0], self.pool.data, math.prod(shape))
                     staged = buffers[1][: math.prod(shape)].view(shape)
                 else:
-                    staged = host_buffer(self.pool.data[layer, :, : len(rows)])
-                recv_exact(conn, writable_bytes(staged), window.alive)
+                    staged = wire.host_buffer(self.pool.data[layer, :, : len(rows)])
+                wire.recv_exact(conn, wire.writable_bytes(staged), window.alive)
                 if pending is not None:
                     pending.result()
                 if scatters is None:
@@ -173,23 +155,23 @@ class TcpReceiver:
                 scatters.shutdown(wait=True)
 
     def _frames(self, conn: socket.socket, window: WriteWindow) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        """Each LAYER frame's layer and runs (first slots, lengths), checked against the window,
+        """Each wire.LAYER frame's layer and runs (first slots, lengths), checked against the window,
         until END; its payload must be read before the next one is asked for."""
         pool, alive = self.pool, window.alive
         segments = np.array(sorted(window.segments), dtype=np.int64).reshape(-1, 2)
         starts, ends = segments[:, 0], segments[:, 0] + segments[:, 1]
         while True:
-            (op,) = recv_struct(conn, OP, alive)
-            if op == OP_END:
+            (op,) = wire.recv_struct(conn, wire.OP, alive)
+            if op == wire.OP_END:
                 return
-            if op != OP_LAYER:
+            if op != wire.OP_LAYER:
                 raise ValueError(f"unknown frame type {op}")
-            layer, num_runs = recv_struct(conn, LAYER, alive)
+            layer, num_runs = wire.recv_struct(conn, wire.LAYER, alive)
             if not (layer < pool.num_layers and 0 < num_runs <= pool.num_slots):
                 self._refuse(conn, f"a frame for layer {layer} with {num_runs} runs")
-            raw = bytearray(num_runs * RUNS.itemsize)
-            recv_exact(conn, memoryview(raw), alive)
-            runs = np.frombuffer(raw, dtype=RUNS)
+            raw = bytearray(num_runs * wire.RUNS.itemsize)
+            wire.recv_exact(conn, memoryview(raw), alive)
+            runs = np.frombuffer(raw, dtype=wire.RUNS)
             slot, n = runs["slot"].astype(np.int64), runs["n"].astype(np.int64)
             seg = np.searchsorted(starts, slot, side="right") - 1
             granted = (seg >= 0) & (n > 0) & (slot + n <= ends[np.maximum(seg, 0)])
@@ -204,5 +186,5 @@ class TcpReceiver:
 
     @staticmethod
     def _refuse(conn: socket.socket, what: str) -> None:
-        reply(conn, grpc.StatusCode.PERMISSION_DENIED, f"write outside the reservation: {what}")
+        wire.reply(conn, grpc.StatusCode.PERMISSION_DENIED, f"write outside the reservation: {what}")
         raise ValueError("write outside the reservation")

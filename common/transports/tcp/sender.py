@@ -14,25 +14,7 @@ import numpy as np
 from common.kv.pool import KVPool
 from common.transports import TransferError
 from common.transports.pieces import Piece
-from common.transports.tcp.wire import (
-    BEGIN,
-    LAYER,
-    MAGIC,
-    OP,
-    OP_END,
-    OP_LAYER,
-    REPLY,
-    RUNS,
-    STAGE_BELOW,
-    gather_rows,
-    recv_exact,
-    recv_struct,
-    send_all,
-    slot_views,
-    stage_on_host,
-    through_host,
-    writable_bytes,
-)
+from common.transports.tcp import wire
 from protos.duet.v1 import duet_pb2 as pb
 
 REFUSAL_WAIT_S = 1.0  # after a failed send, how long a refusal already on its way is waited for
@@ -56,7 +38,7 @@ class TcpTransfer:
         rid = request_id.encode()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._queue.put([memoryview(BEGIN.pack(MAGIC, len(rid), nonce) + rid)])
+        self._queue.put([memoryview(wire.BEGIN.pack(wire.MAGIC, len(rid), nonce) + rid)])
         self._thread = threading.Thread(target=self._send_loop, name="tcp-kv-send", daemon=True)
         self._thread.start()
 
@@ -69,32 +51,32 @@ class TcpTransfer:
         """Queue the layer's frame: its header, then the K and V rows of the pieces."""
         if not pieces:
             return
-        runs = np.array([(p.dst_slot, p.num_slots) for p in pieces], dtype=RUNS)
-        header = [memoryview(OP.pack(OP_LAYER) + LAYER.pack(layer, len(pieces)) + runs.tobytes())]
+        runs = np.array([(p.dst_slot, p.num_slots) for p in pieces], dtype=wire.RUNS)
+        header = [memoryview(wire.OP.pack(wire.OP_LAYER) + wire.LAYER.pack(layer, len(pieces)) + runs.tobytes())]
         pool, sb = self._pool, self._pool.slot_bytes()
-        if through_host(pool):
-            staged, wait_copied = stage_on_host(pool, layer, pieces)
+        if wire.through_host(pool):
+            staged, wait_copied = wire.stage_on_host(pool, layer, pieces)
             self._queue.put(wait_copied)  # the sender thread waits here, not the forward
-            self._queue.put(header + [writable_bytes(staged)])
-        elif sum(p.num_slots for p in pieces) * sb < STAGE_BELOW * len(pieces):  # short runs: one buffer,
-            self._queue.put(header + [writable_bytes(gather_rows(pool, layer, pieces))])  # gathered here
+            self._queue.put(header + [wire.writable_bytes(staged)])
+        elif sum(p.num_slots for p in pieces) * sb < wire.STAGE_BELOW * len(pieces):  # short runs: one buffer,
+            self._queue.put(header + [wire.writable_bytes(wire.gather_rows(pool, layer, pieces))])  # gathered here
         else:
             src = [(p.src_slot, p.num_slots) for p in pieces]
             self._queue.put(header + [view for kv in (0, 1)
-                                      for view in slot_views(writable_bytes(pool.data[layer, kv]), sb, src)])
+                                      for view in wire.slot_views(wire.writable_bytes(pool.data[layer, kv]), sb, src)])
         self._queue.put(layer)  # the sender reports the layer sent when it gets here
 
     def finish(self) -> None:
         """Send END and wait for the receiver's verdict; raises TransferError."""
-        self._queue.put([memoryview(OP.pack(OP_END))])
+        self._queue.put([memoryview(wire.OP.pack(wire.OP_END))])
         self._queue.put(None)
         self._thread.join()
         try:
             # After a failed send only a refusal already on its way is worth reading.
             self._sock.settimeout(REFUSAL_WAIT_S if self._error else self._remaining())
-            status, length = recv_struct(self._sock, REPLY)
+            status, length = wire.recv_struct(self._sock, wire.REPLY)
             message = bytearray(length)
-            recv_exact(self._sock, memoryview(message))
+            wire.recv_exact(self._sock, memoryview(message))
         except TimeoutError:
             raise TransferError(f"the KV transfer missed its deadline: {self._error or 'no confirmation'}",
                                 grpc.StatusCode.DEADLINE_EXCEEDED) from None
@@ -129,7 +111,7 @@ class TcpTransfer:
                     item()
                     continue
                 self._sock.settimeout(self._remaining())
-                send_all(self._sock, item)
+                wire.send_all(self._sock, item)
             except Exception as exc:  # not only OSError: a sender thread must never die silently
                 self._error = exc  # keep draining; finish() reports it (after reading any reply)
 

@@ -1,4 +1,4 @@
-"""The prefill node's NIXL session (prefill_node/nixl_push.py) with a stand-in initiator: a
+"""The NIXL sender's transfer (common/transports/nixl/sender.py) with a stand-in initiator: a
 failure on the sender thread, of any kind, must fail the transfer, never let it be confirmed."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from common.kv.pool import KVPool
 from common.transports import TransferError
 from common.transports.pieces import Piece
-from prefill_node import nixl_push
-from prefill_node.nixl_push import NixlSession, _Peer
+from common.transports.nixl import sender as nixl_sender
+from common.transports.nixl.sender import NixlTransfer, _Peer
 
 PIECES = [Piece(src_slot=0, dst_slot=4, num_slots=4)]
 
@@ -45,8 +45,8 @@ class _Initiator:
         pass
 
 
-def _session(initiator: _Initiator, pool: KVPool, done: list[int]) -> NixlSession:
-    return NixlSession(initiator, pool, _Peer("decode", base_address=1 << 20, num_slots=pool.num_slots), 5.0,
+def _session(initiator: _Initiator, pool: KVPool, done: list[int]) -> NixlTransfer:
+    return NixlTransfer(initiator, pool, _Peer("decode", base_address=1 << 20, num_slots=pool.num_slots), 5.0,
                        done.append)
 
 
@@ -87,7 +87,7 @@ def test_a_failed_gpu_wait_fails_the_transfer(pool, monkeypatch):
         def synchronize(self) -> None:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(nixl_push, "_computed_event", lambda pool: _BrokenEvent())
+    monkeypatch.setattr(nixl_sender, "_computed_event", lambda pool: _BrokenEvent())
     initiator, done = _Initiator(pool), []
     session = _session(initiator, pool, done)
     session.post_layer(0, PIECES)

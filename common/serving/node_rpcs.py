@@ -1,0 +1,27 @@
+"""The RPCs every node answers alike (GetLoad, GetTrace, WatchKvEvents), mixed into the decode
+and prefill nodes' servicers."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from common.serving.kv_event_stream import KvEventStreams
+from protos.duet.v1 import duet_pb2 as pb
+
+
+class NodeRpcs:
+    """`node` has `load()`, `tracer` and `engine` (whose KV events WatchKvEvents streams)."""
+
+    def __init__(self, node: Any, draining: threading.Event | None = None) -> None:
+        self.node = node
+        self.kv_events = KvEventStreams(node.engine.kv_events, draining or threading.Event())
+
+    def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.NodeLoad:
+        return self.node.load()
+
+    def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.Trace:
+        return self.node.tracer.trace(request.request_ids)
+
+    def WatchKvEvents(self, request: pb.WatchKvEventsRequest, context) -> Iterator[pb.KvEvent]:
+        yield from self.kv_events.watch(request, context)
