@@ -17,7 +17,7 @@ from common.engine.core import Engine, Sequence
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import RequestHandle, Scheduler
 from common.errors import Aborted, Cancelled, InvalidArgument, NotFound
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.model.tokenizer import Tokenizer
 from common.peers.hand_off import worth_remote
 from common.peers.prefill_pool import PrefillPool

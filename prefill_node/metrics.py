@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from common.engine.core import Engine
 from common.serving.pool_metrics import prefix_hit_counter, register_pool_gauges
 from common.transports.metrics import TransferMetrics
-from prefill_node.prefill_scheduler import PrefillScheduler
+from prefill_node.scheduler import PrefillScheduler
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -11,7 +11,7 @@ from common.daemon_limits import check_prompt, check_request_id
 from common.engine.core import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
 from common.kv.segments import MetadataError, Segments
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.serving.fingerprint import fingerprint_of
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
@@ -20,7 +20,7 @@ from common.transports.connector import Transfer
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.decode_peers import DecodePeer, DecodePeers
 from prefill_node.metrics import PrefillMetrics
-from prefill_node.prefill_scheduler import PrefillJob, PrefillScheduler
+from prefill_node.scheduler import PrefillJob, PrefillScheduler
 from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)

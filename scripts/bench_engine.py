@@ -54,7 +54,7 @@ import torch
 from common.engine.core import Engine
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.serving.dtype_choice import resolve_dtype
 
 PAGE_SIZE = 16

@@ -31,7 +31,7 @@ from common.engine.scheduler import Scheduler
 from common.engine.speculative import SpeculativeConfig
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.model.tokenizer import Tokenizer, load_tokenizer
 from scripts.spec_prompts import copy_messages, free_messages
 

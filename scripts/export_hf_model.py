@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from common.model.default_model import default_model_path
 from common.model.gguf_loader import load_gguf
-from common.model.model_config import ModelConfig
+from common.model.config import ModelConfig
 from common.model.tokenizer import load_tokenizer
 
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

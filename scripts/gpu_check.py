@@ -52,7 +52,7 @@ from common.engine.core import Engine
 from common.kv.pool import KVPool
 from common.kv.segments import slot_range
 from common.model.default_model import default_model_path
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.model.tokenizer import Tokenizer, load_tokenizer
 from common.serving.model_loading import load_model_and_tokenizer
 from cuda import extension

@@ -6,7 +6,7 @@ import torch
 
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.model.tokenizer import load_tokenizer
 
 torch.manual_seed(0)

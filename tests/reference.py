@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.core import Engine
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 
 # Daemon flags of tests that compare tokens with the float32 references below (the daemons'
 # default, --dtype auto, is bfloat16 on CPUs with AVX512-BF16 or AMX).

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from common.engine.core import Engine
 from common.model.checkpoint import load_checkpoint
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.serving import dtype_choice
 from common.serving.fingerprint import fingerprint_of, mismatch
 from common.serving.pool_metrics import register_pool_gauges

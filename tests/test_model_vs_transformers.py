@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.model.checkpoint import load_checkpoint
-from common.model.model import ForwardBatch, LlamaModel, SequenceSlice, grouped_query_attention
+from common.model.llama import ForwardBatch, LlamaModel, SequenceSlice, grouped_query_attention
 from tests.reference import REFERENCE_PROMPTS as PROMPTS
 from tests.reference import engine_greedy, hf_greedy
 
@@ -81,7 +81,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("window", [None, 40], ids=["after-cached-prefix", "sliding-window"])
 def test_grouped_query_attention_equals_enable_gqa(window):
-    """The CUDA path for masked GQA chunks (common.model.model.grouped_query_attention) computes what
+    """The CUDA path for masked GQA chunks (common.model.llama.grouped_query_attention) computes what
     `enable_gqa=True` does; checked on the CPU, where both run."""
     g = torch.Generator().manual_seed(3)
     n, context, nh, kvh, hd = 37, 100, 9, 3, 64

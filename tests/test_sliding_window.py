@@ -21,7 +21,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.model.checkpoint import Checkpoint, load_checkpoint
 from common.model.hf_loader import _config
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node

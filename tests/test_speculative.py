@@ -13,7 +13,7 @@ from common.engine.sampling import Draw, SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
 from common.model.checkpoint import load_checkpoint
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from tests.reference import engine_greedy, hf_greedy

@@ -21,7 +21,7 @@ import torch
 
 from common.kv.segments import RELEASED
 from common.model.checkpoint import Checkpoint
-from common.model.model_config import ModelConfig
+from common.model.config import ModelConfig
 
 
 

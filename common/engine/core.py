@@ -29,7 +29,7 @@ from common.kv.pool import KVPool
 from common.kv.segments import RELEASED, slot_range, slots_at
 from common.kv.page_allocator import PageAllocator
 from common.kv.prefix_cache import PrefixCache
-from common.model.model import ForwardBatch, LlamaModel, SequenceSlice
+from common.model.llama import ForwardBatch, LlamaModel, SequenceSlice
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from common.model.model_config import ModelConfig
+from common.model.config import ModelConfig
 
 
 @dataclass

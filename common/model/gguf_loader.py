@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from common.model.checkpoint import Checkpoint, hash_files
-from common.model.model_config import ModelConfig
+from common.model.config import ModelConfig
 
 # GGUF architectures we read, and the Hugging Face architecture each corresponds to.
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}

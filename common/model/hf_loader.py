@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.model.checkpoint import Checkpoint, hash_files
-from common.model.model_config import ModelConfig
+from common.model.config import ModelConfig
 
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 

@@ -3,7 +3,7 @@ node that agrees on every field."""
 from __future__ import annotations
 
 from common.kv.pool import LAYOUT_VERSION, KVPool
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from protos.duet.v1 import duet_pb2 as pb
 
 _FIELDS = ("model_hash", "dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "layout_version")

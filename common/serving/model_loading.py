@@ -10,7 +10,7 @@ import torch
 from common.engine.attention_window import with_attention_sinks
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.model import LlamaModel
+from common.model.llama import LlamaModel
 from common.model.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
