@@ -60,3 +60,7 @@ class Internal(RequestError):
 
 class Cancelled(RequestError):
     code = grpc.StatusCode.CANCELLED
+
+
+class DataLoss(RequestError):
+    code = grpc.StatusCode.DATA_LOSS

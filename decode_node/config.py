@@ -9,6 +9,7 @@ from common.peers.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy, add_routing
 from common.serving.daemon_config import DaemonConfig, daemon_parser, parse_config
 
 ADMISSION_MODES = ("reject", "queue")
+ON_OFF = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class DecodeNodeConfig(DaemonConfig):
     # How long pages a one-sided (NIXL) writer was cleared to write stay out of circulation when
     # it never reports back; must exceed the prefill nodes' --transfer-timeout-seconds.
     quarantine_seconds: float = 60.0
+    verify_kv: str = "on"  # check received KV against the writer's checksums (common/transports/checksum.py)
     # Requests held at once: admitted plus waiting for admission; more are refused with RESOURCE_EXHAUSTED.
     max_requests: int = 256
     # Fraction of the pool PrepareReceive leaves free for running decodes to grow into.
@@ -63,6 +65,8 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--lease-seconds must be > 0")
         if self.quarantine_seconds <= 0:
             raise ValueError("--quarantine-seconds must be > 0")
+        if self.verify_kv not in ON_OFF:
+            raise ValueError("--verify-kv must be on or off")
         if self.max_requests < 1:
             raise ValueError("--max-requests must be >= 1")
         if not 0 <= self.admission_watermark < 1:
@@ -98,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    help="how long pages a NIXL writer was cleared to write stay unused after their reservation "
                    "ended, when the writer never reports back; keep it above the prefill nodes' "
                    "--transfer-timeout-seconds (default %(default)s)")
+    p.add_argument("--verify-kv", choices=ON_OFF, default=d.verify_kv,
+                   help="check the KV a writer pushed against its checksums (xxh3-64 per layer, K and V) before "
+                   "the request may generate; a mismatch discards it (DATA_LOSS to the writer, which retries or "
+                   "falls back to local prefill). Measured cost: VERIFY_COST (default %(default)s)")
     p.add_argument("--max-requests", type=int, default=d.max_requests,
                    help="requests held at once: admitted (generating, queued in the scheduler or holding a "
                    "reservation) plus, with --admission queue, waiting for admission; beyond it new ones get "

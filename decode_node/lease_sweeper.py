@@ -1,5 +1,6 @@
 """A thread that ends reservations whose lease ran out before StartGeneration, and lifts write
-fences whose quarantine is over (their writer never reported back)."""
+fences whose writer is gone from this host or whose quarantine is over (the writer never
+reported back)."""
 from __future__ import annotations
 
 import logging
@@ -7,18 +8,18 @@ import threading
 import time
 
 from common.tracing import Tracer
-from common.transports.fences import WriteFences
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import RequestTable, Status
+from decode_node.writers import Writers
 
 log = logging.getLogger(__name__)
 
 
 class LeaseSweeper:
-    def __init__(self, requests: RequestTable, fences: WriteFences, metrics: DecodeMetrics, tracer: Tracer,
+    def __init__(self, requests: RequestTable, writers: Writers, metrics: DecodeMetrics, tracer: Tracer,
                  sweep_seconds: float = 0.1) -> None:
         self._requests = requests
-        self._fences = fences
+        self._writers = writers
         self._metrics = metrics
         self._tracer = tracer
         self._sweep_seconds = sweep_seconds
@@ -33,7 +34,8 @@ class LeaseSweeper:
     def _loop(self) -> None:
         while not self._stopped.wait(self._sweep_seconds):
             expired = self._requests.expire_due(time.time())
-            if unfenced := self._fences.expire_due(time.monotonic()):
+            self._writers.lift_gone_runs()
+            if unfenced := self._writers.fences.expire_due(time.monotonic()):
                 log.warning("writers never reported back; their pages leave quarantine",
                             extra={"fields": {"fences": unfenced}})
                 self._metrics.quarantine_expiries.inc(unfenced)

@@ -21,6 +21,7 @@ from common.model.llama import LlamaModel
 from common.model.tokenizer import Tokenizer
 from common.peers.hand_off import worth_remote
 from common.peers.prefill_pool import PrefillPool
+from common.serving.incarnation import INCARNATION
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
 from decode_node.admission import Admission
@@ -54,10 +55,11 @@ class DecodeNode:
                                         policy=config.routing_policy)
         self.writers = Writers(config, self.engine, self.requests, self.metrics, self.tracer,
                                name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
+        self.prefill_pool.on_load = lambda member: self.writers.seen_run(member.address, member.load.incarnation)
         self.hand_off = HandOff(config, self.engine, self.scheduler, self.requests, self.admission,
                                 self.prefill_pool, self.metrics, self.tracer, self._check_prompt)
         self.scheduler.start()
-        self._sweeper = LeaseSweeper(self.requests, self.writers.fences, self.metrics, self.tracer)
+        self._sweeper = LeaseSweeper(self.requests, self.writers, self.metrics, self.tracer)
 
     @property
     def vocab_size(self) -> int:
@@ -91,14 +93,16 @@ class DecodeNode:
                         deadline: float | None = None) -> pb.PrepareReceiveResponse:
         return self.hand_off.prepare_receive(request_id, token_ids, kv_window_end, cancelled, deadline)
 
-    def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str) -> pb.TransportInfo:
-        return self.writers.transport_info(theirs, transport)
+    def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str,
+                       writer: pb.WriterIdentity | None = None) -> pb.TransportInfo:
+        return self.writers.transport_info(theirs, transport, writer)
 
-    def begin_transfer(self, request_id: str, nonce: int, metadata: list[int]) -> None:
-        self.writers.begin(request_id, nonce, metadata)
+    def begin_transfer(self, request_id: str, nonce: int, metadata: list[int], writer: int = 0) -> None:
+        self.writers.begin(request_id, nonce, metadata, writer)
 
-    def complete_transfer(self, request_id: str, nonce: int, abandoned: bool = False) -> None:
-        self.writers.complete(request_id, nonce, abandoned)
+    def complete_transfer(self, request_id: str, nonce: int, abandoned: bool = False,
+                          checksums: Seq[int] = ()) -> None:
+        self.writers.complete(request_id, nonce, abandoned, checksums)
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
         check_request_id(request_id)
@@ -168,7 +172,8 @@ class DecodeNode:
             return node_load(self.engine, kv_pages_reserved=self.requests.reserved_pages(),
                              kv_pages_quarantined=self.writers.fences.quarantined_pages(),
                              running_requests=counts[Status.RUNNING], queued_requests=counts[Status.QUEUED],
-                             queued_prefill_tokens=self.scheduler.pending_prefill_tokens())
+                             queued_prefill_tokens=self.scheduler.pending_prefill_tokens(),
+                             incarnation=INCARNATION)
 
     def abort(self, request_id: str) -> None:
         with self.engine.lock:

@@ -49,20 +49,23 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
 
     def GetTransportInfo(self, request: pb.GetTransportInfoRequest, context) -> pb.TransportInfo:
         try:
-            return self.node.transport_info(request.fingerprint, request.transport)
+            return self.node.transport_info(request.fingerprint, request.transport,
+                                            request.writer if request.HasField("writer") else None)
         except RequestError as exc:
             self._fail(context, "GetTransportInfo", exc)
 
     def BeginTransfer(self, request: pb.BeginTransferRequest, context) -> pb.BeginTransferResponse:
         try:
-            self.node.begin_transfer(request.request_id, request.transfer_nonce, list(request.kv_append_metadata))
+            self.node.begin_transfer(request.request_id, request.transfer_nonce, list(request.kv_append_metadata),
+                                     request.writer_incarnation)
         except RequestError as exc:
             self._fail(context, "BeginTransfer", exc)
         return pb.BeginTransferResponse()
 
     def CompleteTransfer(self, request: pb.CompleteTransferRequest, context) -> pb.CompleteTransferResponse:
         try:
-            self.node.complete_transfer(request.request_id, request.transfer_nonce, request.abandoned)
+            self.node.complete_transfer(request.request_id, request.transfer_nonce, request.abandoned,
+                                        request.kv_checksums)
         except RequestError as exc:
             self._fail(context, "CompleteTransfer", exc)
         return pb.CompleteTransferResponse()

@@ -1,19 +1,30 @@
 """The writers of this node's KV: the transport handshake (GetTransportInfo), and admitting each
 writer to its reservation's window (BeginTransfer) until it reports back (CompleteTransfer).
 
+Each writer announces its run (`pb.WriterIdentity`) in the handshake. A fence of a writer that
+never reported back comes down as soon as there is proof that its run is over: the same address
+announced a new incarnation (in a handshake or its GetLoad), or its process is gone from this
+host; without proof it waits out --quarantine-seconds (common/transports/fences.py).
+
 The transport's receiver (common/transports) moves the bytes and fences the window's pages while
 the writer may write; what is decided here is who may write where, and what a report changes
 in the request's status (decode_node/request_table.py).
 """
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence as Seq
+
+import torch
 
 from common.engine.core import Engine
-from common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from common.serving.fingerprint import fingerprint_of, mismatch
+from common.serving.incarnation import provably_gone
 from common.tracing import Tracer
 from common.transports import open_receiver
+from common.transports.checksum import first_mismatch, kv_checksums
 from common.transports.connector import WriteWindow
 from common.transports.fences import WriteFences
 from decode_node.config import DecodeNodeConfig
@@ -21,16 +32,21 @@ from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Status
 from protos.duet.v1 import duet_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 
 class Writers:
     def __init__(self, config: DecodeNodeConfig, engine: Engine, requests: RequestTable, metrics: DecodeMetrics,
                  tracer: Tracer, name: str) -> None:
         self.engine = engine
         self.lock = engine.lock
+        self.verify_kv = config.verify_kv == "on"
         self._requests = requests
         self._metrics = metrics
         self._tracer = tracer
         self.fences = WriteFences(engine.allocator, engine.lock, config.quarantine_seconds)
+        self._runs: dict[int, pb.WriterIdentity] = {}  # incarnation -> the run it names
+        self._run_at: dict[str, int] = {}  # writer address -> its latest incarnation
         self.receiver = open_receiver(config.transport, engine.pool, self.fences, config.host, config.advertise_host,
                                       name=name, transfers_pending=requests.awaiting_transfer)
 
@@ -38,7 +54,8 @@ class Writers:
         self.receiver.close()
         self.fences.lift_all()
 
-    def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str) -> pb.TransportInfo:
+    def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str,
+                       writer: pb.WriterIdentity | None = None) -> pb.TransportInfo:
         ours = fingerprint_of(self.engine.model, self.engine.pool)
         if (why := mismatch(ours, theirs, "decode node", "prefill node")) is not None:
             raise FailedPrecondition(f"{why}; run both nodes with the same model, dtype and --page-size")
@@ -48,7 +65,37 @@ class Writers:
         info = self.receiver.info()
         info.fingerprint.CopyFrom(ours)
         info.num_slots = self.engine.pool.num_slots
+        info.verify_kv = self.verify_kv
+        if writer is not None and writer.incarnation:
+            self.seen_run(writer.address, writer.incarnation, writer)
         return info
+
+    def seen_run(self, address: str, incarnation: int, writer: pb.WriterIdentity | None = None) -> None:
+        """The writer at `address` runs as `incarnation` (its handshake, or its GetLoad): an
+        earlier run there is over, and its fences come down."""
+        with self.lock:
+            earlier = self._run_at.get(address)
+            if writer is not None:
+                self._runs[incarnation] = writer
+                self._run_at[address] = incarnation
+            elif earlier is None:
+                return  # it never wrote here
+            if earlier is not None and earlier != incarnation:
+                self._run_at[address] = incarnation
+                self._runs.pop(earlier, None)
+                self._lift(earlier, f"{address} restarted")
+
+    def lift_gone_runs(self) -> None:
+        """Lift the fences of quarantined writer runs whose process is gone from this host."""
+        for run in self.fences.quarantined_writers():
+            writer = self._runs.get(run)
+            if writer is not None and provably_gone(writer):
+                self._lift(run, f"{writer.address}'s process {writer.pid} is gone")
+
+    def _lift(self, run: int, proof: str) -> None:
+        if pages := self.fences.lift_writer_run(run):
+            log.info("write fences lifted: their writer's run is over", extra={"fields": {
+                "pages": pages, "proof": proof}})
 
     def _writer_entry(self, request_id: str, nonce: int) -> LiveRequest:
         """The request the writer of (request_id, nonce) writes for, while it holds its reservation."""
@@ -59,7 +106,7 @@ class Writers:
             raise PermissionDenied(f"transfer_nonce does not match the one issued for {request_id!r}")
         return entry
 
-    def begin(self, request_id: str, nonce: int, metadata: list[int]) -> None:
+    def begin(self, request_id: str, nonce: int, metadata: list[int], writer: int = 0) -> None:
         with self.lock:
             entry = self._writer_entry(request_id, nonce)
             r = entry.reservation
@@ -68,14 +115,15 @@ class Writers:
             if metadata != r.segments.to_wire():
                 raise InvalidArgument(f"kv_append_metadata does not match the slots reserved for {request_id!r}")
             self.receiver.admit(WriteWindow(request_id, nonce, r.segments, tuple(r.seq.held_pages),
-                                            alive=lambda: self._requests.holds_reservation(entry)))
+                                            alive=lambda: self._requests.holds_reservation(entry), writer=writer))
             r.transfer_started = time.perf_counter()
             self._requests.move(entry, Status.RECEIVING)
         self._tracer.event(request_id, "transfer_started")
 
-    def complete(self, request_id: str, nonce: int, abandoned: bool = False) -> None:
+    def complete(self, request_id: str, nonce: int, abandoned: bool = False, checksums: Seq[int] = ()) -> None:
         """The writer is done: its KV is all here, or (`abandoned`) it gave up and writes nothing
-        more. Either way its fence comes down, even when its reservation is already gone."""
+        more. Either way its fence comes down, even when its reservation is already gone. With
+        --verify-kv the KV must match the writer's `checksums` before the request may generate."""
         with self.lock:
             lifted = self.receiver.complete(request_id, nonce)
             entry = self._requests.get(request_id)
@@ -87,11 +135,36 @@ class Writers:
                 self._metrics.transfers.failed("abandoned")
                 if entry.status is Status.RECEIVING:  # another writer may begin
                     self._requests.move(entry, Status.RESERVED)
-            elif entry.status is not Status.RECEIVED:
-                r = entry.reservation
+            if abandoned or entry.status is Status.RECEIVED:
+                self._tracer.event(request_id, "transfer_abandoned" if abandoned else "transfer_complete")
+                return
+        r = entry.reservation
+        if self.verify_kv:  # outside the lock: the reservation holds the pages, and nothing writes them now
+            self._verify(entry, checksums)
+        with self.lock:
+            if not self._requests.holds_reservation(entry):
+                raise NotFound(f"no reservation {request_id!r}: it expired or was aborted during CompleteTransfer")
+            if entry.status is not Status.RECEIVED:
                 pool = self.engine.pool
                 self._metrics.transfers.completed(r.segments.num_slots * 2 * pool.num_layers * pool.slot_bytes(),
                                                   time.perf_counter() - (r.transfer_started or time.perf_counter()),
                                                   len(r.segments))
                 self._requests.move(entry, Status.RECEIVED)
-        self._tracer.event(request_id, "transfer_abandoned" if abandoned else "transfer_complete")
+        self._tracer.event(request_id, "transfer_complete")
+
+    def _verify(self, entry: LiveRequest, checksums: Seq[int]) -> None:
+        """Raise DataLoss, putting the reservation back to wait for a writer, unless the slots
+        hold what the writer says it sent."""
+        if not checksums:
+            raise InvalidArgument("kv_checksums are missing: this decode node verifies received KV (--verify-kv on)")
+        slots = torch.from_numpy(entry.reservation.segments.slots())
+        where = first_mismatch(kv_checksums(self.engine.pool, slots), list(checksums))
+        if where is None:
+            return
+        self._metrics.transfers.failed("checksum")
+        self._tracer.event(entry.request_id, "transfer_corrupt", first_mismatch=where)
+        with self.lock:
+            if self._requests.holds_reservation(entry) and entry.status is Status.RECEIVING:
+                self._requests.move(entry, Status.RESERVED)
+        raise DataLoss(f"the KV received for {entry.request_id!r} does not match the writer's checksums (first at "
+                       f"{where}); it was discarded: push it again, or prefill locally")

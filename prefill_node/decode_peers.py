@@ -29,8 +29,10 @@ class DecodePeer:
 
 
 class DecodePeers:
-    def __init__(self, fingerprint: pb.CompatibilityFingerprint, sender: KvSender, tls: TlsFiles) -> None:
+    def __init__(self, fingerprint: pb.CompatibilityFingerprint, identity: pb.WriterIdentity, sender: KvSender,
+                 tls: TlsFiles) -> None:
         self._fingerprint = fingerprint
+        self._identity = identity
         self._tls = tls
         self._sender = sender
         self._peers: dict[str, DecodePeer] = {}
@@ -68,7 +70,8 @@ class DecodePeers:
             raise InvalidArgument(f"decode_address {address!r} must be host:port")
         channel = self._tls.channel(address)
         stub = duet_pb2_grpc.DecodeNodeStub(channel)
-        request = pb.GetTransportInfoRequest(fingerprint=self._fingerprint, transport=self._sender.transport)
+        request = pb.GetTransportInfoRequest(fingerprint=self._fingerprint, transport=self._sender.transport,
+                                             writer=self._identity)
         try:
             info = stub.GetTransportInfo(request, timeout=HANDSHAKE_TIMEOUT_S)
             self._sender.connect(address, info)

@@ -4,27 +4,29 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from common.daemon_limits import check_prompt, check_request_id
 from common.engine.core import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
-from common.kv.segments import MetadataError, Segments
+from common.kv.segments import MetadataError, Segments, slot_range
 from common.model.llama import LlamaModel
 from common.serving.fingerprint import fingerprint_of
+from common.serving.incarnation import INCARNATION, writer_identity
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
 from common.transports import TransferError, open_sender
-from common.transports.connector import Transfer
+from common.transports.checksum import kv_checksums
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.decode_peers import DecodePeer, DecodePeers
+from prefill_node.faults import with_faults
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.scheduler import PrefillJob, PrefillScheduler
 from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
-
 
 
 class PrefillNode:
@@ -34,21 +36,24 @@ class PrefillNode:
         self.fingerprint = fingerprint_of(model, self.engine.pool)
         self.sender = open_sender(config.transport, self.engine.pool,
                                   name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
-        self.peers = DecodePeers(self.fingerprint, self.sender, config.tls)
+        self.identity = writer_identity(config.advertise_address)
+        self.peers = DecodePeers(self.fingerprint, self.identity, self.sender, config.tls)
         self.tracer = Tracer(f"prefill {config.advertise_address}", config.trace_requests)
         self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens, self.tracer)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kv-checksum")  # beside the transfer's wait
         self.metrics = PrefillMetrics(self.engine, self.scheduler)
         self.scheduler.start()
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+        self._hasher.shutdown()
         self.peers.close()
         self.sender.close()
 
     def load(self) -> pb.NodeLoad:
         with self.engine.lock:
             return node_load(self.engine, running_requests=self.scheduler.num_jobs(),
-                             queued_prefill_tokens=self.scheduler.pending_tokens())
+                             queued_prefill_tokens=self.scheduler.pending_tokens(), incarnation=INCARNATION)
 
     def _validate(self, req: pb.RemoteSendRequest) -> None:
         check_request_id(req.request_id)
@@ -84,12 +89,14 @@ class PrefillNode:
         started = time.perf_counter()
         # Before any byte moves: NIXL writes land wherever they are aimed.
         self._call(peer, peer.stub.BeginTransfer, pb.BeginTransferRequest(
-            request_id=req.request_id, transfer_nonce=req.transfer_nonce, kv_append_metadata=metadata), deadline)
+            request_id=req.request_id, transfer_nonce=req.transfer_nonce, kv_append_metadata=metadata,
+            writer_incarnation=INCARNATION), deadline)
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         try:
-            session = self.sender.open(
+            session = with_faults(self.sender.open(
                 req.decode_address, req.request_id, req.transfer_nonce, timeout_s,
-                on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done", layer=layer))
+                on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done", layer=layer)),
+                self.engine.pool)
         except TransferError as exc:
             self.peers.drop(req.decode_address)
             self.metrics.transfers.failed("unavailable")
@@ -109,7 +116,7 @@ class PrefillNode:
                 raise job.error
             prefilled = time.perf_counter()
             self.tracer.event(req.request_id, "prefilled", computed_tokens=end - cached)
-            self._finish_transfer(req, peer, session, deadline)
+            self._finish_transfer(req, peer, job, deadline)
             ok = True
         except BaseException as exc:
             self.metrics.transfers.failed(exc.code.name.lower() if isinstance(exc, RequestError) else "internal")
@@ -150,11 +157,16 @@ class PrefillNode:
             log.info("could not report an abandoned transfer", extra={"fields": {
                 "request_id": req.request_id, "error": str(exc)}})
 
-    def _finish_transfer(self, req: pb.RemoteSendRequest, peer: DecodePeer, session: Transfer, deadline: float) -> None:
-        """Wait for every byte to land, then tell the decode node (request id + nonce)."""
+    def _finish_transfer(self, req: pb.RemoteSendRequest, peer: DecodePeer, job: PrefillJob, deadline: float) -> None:
+        """Wait for every byte to land, then tell the decode node (request id + nonce, and the
+        KV's checksums when it verifies them: computed meanwhile, from this node's pool)."""
+        checksums = None
+        if peer.info.verify_kv:
+            slots = slot_range(job.seq.pages, self.engine.page_size, job.begin, job.end)
+            checksums = self._hasher.submit(kv_checksums, self.engine.pool, slots)
         try:
             with self.tracer.span(req.request_id, "transfer_finished", tokens=req.kv_window_end - req.kv_window_begin):
-                session.finish()
+                job.session.finish()
         except TransferError as exc:
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or exc.in_flight:
                 # A dead or stalled peer: forget its endpoint, so the next request re-handshakes
@@ -162,5 +174,6 @@ class PrefillNode:
                 self.peers.drop(req.decode_address)
             raise RequestError(str(exc), exc.code) from None
         self._call(peer, peer.stub.CompleteTransfer, pb.CompleteTransferRequest(
-            request_id=req.request_id, transfer_nonce=req.transfer_nonce), deadline)
+            request_id=req.request_id, transfer_nonce=req.transfer_nonce,
+            kv_checksums=checksums.result() if checksums else ()), deadline)
         self.tracer.event(req.request_id, "completion_sent")

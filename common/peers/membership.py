@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -50,6 +51,7 @@ class Membership(Generic[StubT]):
         self._poll_seconds = poll_seconds
         self._rpc_timeout_s = rpc_timeout_s
         self._stopped = threading.Event()
+        self.on_load: Callable[[Member[StubT]], None] = lambda member: None  # after each successful poll
         for address in addresses:
             self.add(address)
         self._thread = threading.Thread(target=self._poll_loop, name="membership", daemon=True)
@@ -93,6 +95,7 @@ class Membership(Generic[StubT]):
             before = member.in_flight
             member.load = member.stub.GetLoad(pb.GetLoadRequest(), timeout=self._rpc_timeout_s)
             member.in_flight_at_poll = min(before, member.in_flight)
+            self.on_load(member)
             if not member.healthy:
                 log.info("node healthy", extra={"fields": {"address": member.address}})
             member.healthy = True

@@ -27,13 +27,16 @@ from protos.duet.v1 import duet_pb2 as pb
 @dataclass(frozen=True)
 class WriteWindow:
     """What one writer is admitted to write: a reservation's destination slots, the pages
-    behind them (fenced while the writer may write), and whether the reservation still exists."""
+    behind them (fenced while the writer may write), whether the reservation still exists, and
+    which run of which writer writes (its incarnation; 0 when unknown), so that the fence can
+    come down once that run is proven over."""
 
     request_id: str
     nonce: int
     segments: Segments
     pages: tuple[int, ...]
     alive: Callable[[], bool]
+    writer: int = 0
 
 
 class KvReceiver(Protocol):

@@ -9,7 +9,9 @@ it depends on what the receiver can prove:
   posted write. The fence goes up when the writer is admitted and comes down when the writer
   reports it is done (CompleteTransfer, or CompleteTransfer with `abandoned` after making sure
   none of its writes is still in flight) or, without a word from it (killed, cut off), after
-  `--quarantine-seconds`, which must exceed the writers' `--transfer-timeout-seconds`.
+  `--quarantine-seconds`, which must exceed the writers' `--transfer-timeout-seconds`, unless
+  the KV owner proves sooner that the writer's run is over (`lift_writer_run`: it restarted
+  with a new incarnation, or its process is gone from this host).
 
 Meanwhile the pages of a window whose reservation is gone (expired, aborted) stay allocated and
 count as quarantined: a late write lands in memory nobody reads.
@@ -65,6 +67,21 @@ class WriteFences:
             if fence is not None:
                 self.lift(fence)
             return fence is not None
+
+    def lift_writer_run(self, writer: int) -> int:
+        """Lift every quarantine fence of the writer run (incarnation) `writer`, proven over;
+        how many pages came back into circulation (not counting those still reserved)."""
+        with self._lock:
+            fences = [f for f in self._fences if writer and f.window.writer == writer and f.deadline is not None]
+            free_before = self._allocator.num_free
+            for fence in fences:
+                self.lift(fence)
+            return self._allocator.num_free - free_before
+
+    def quarantined_writers(self) -> set[int]:
+        """The writer runs whose fences wait for their quarantine."""
+        with self._lock:
+            return {f.window.writer for f in self._fences if f.deadline is not None and f.window.writer}
 
     def expire_due(self, now: float) -> int:
         """Lift the quarantine fences whose writer never reported back in time; how many."""

@@ -140,7 +140,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("kv_pages_total", "kv_pages_free", "kv_pages_reserved", "kv_pages_cached", "running_requests", "queued_prefill_tokens", "queued_requests", "kv_pages_quarantined")
+    __slots__ = ("kv_pages_total", "kv_pages_free", "kv_pages_reserved", "kv_pages_cached", "running_requests", "queued_prefill_tokens", "queued_requests", "kv_pages_quarantined", "incarnation")
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class NodeLoad(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     kv_pages_total: int
     kv_pages_free: int
     kv_pages_reserved: int
@@ -157,7 +158,8 @@ class NodeLoad(_message.Message):
     queued_prefill_tokens: int
     queued_requests: int
     kv_pages_quarantined: int
-    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_reserved: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_reserved: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ("incarnation", "after_sequence")
@@ -248,28 +250,32 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BeginTransferRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_nonce", "kv_append_metadata")
+    __slots__ = ("request_id", "transfer_nonce", "kv_append_metadata", "writer_incarnation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_NONCE_FIELD_NUMBER: _ClassVar[int]
     KV_APPEND_METADATA_FIELD_NUMBER: _ClassVar[int]
+    WRITER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_nonce: int
     kv_append_metadata: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., transfer_nonce: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ...) -> None: ...
+    writer_incarnation: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_nonce: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., writer_incarnation: _Optional[int] = ...) -> None: ...
 
 class BeginTransferResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_nonce", "abandoned")
+    __slots__ = ("request_id", "transfer_nonce", "abandoned", "kv_checksums")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_NONCE_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_nonce: int
     abandoned: bool
-    def __init__(self, request_id: _Optional[str] = ..., transfer_nonce: _Optional[int] = ..., abandoned: _Optional[bool] = ...) -> None: ...
+    kv_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_nonce: _Optional[int] = ..., abandoned: _Optional[bool] = ..., kv_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompleteTransferResponse(_message.Message):
     __slots__ = ()
@@ -322,15 +328,31 @@ class Trace(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[TraceEvent, _Mapping]]] = ...) -> None: ...
 
 class GetTransportInfoRequest(_message.Message):
-    __slots__ = ("fingerprint", "transport")
+    __slots__ = ("fingerprint", "transport", "writer")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
     fingerprint: CompatibilityFingerprint
     transport: str
-    def __init__(self, fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+    writer: WriterIdentity
+    def __init__(self, fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., transport: _Optional[str] = ..., writer: _Optional[_Union[WriterIdentity, _Mapping]] = ...) -> None: ...
+
+class WriterIdentity(_message.Message):
+    __slots__ = ("incarnation", "address", "boot_id", "pid", "process_start_ticks")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    address: str
+    boot_id: str
+    pid: int
+    process_start_ticks: int
+    def __init__(self, incarnation: _Optional[int] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., process_start_ticks: _Optional[int] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
-    __slots__ = ("transport", "fingerprint", "num_slots", "tcp_address", "nixl_agent_name", "nixl_agent_metadata", "pool_base_address", "pool_size_bytes")
+    __slots__ = ("transport", "fingerprint", "num_slots", "tcp_address", "nixl_agent_name", "nixl_agent_metadata", "pool_base_address", "pool_size_bytes", "verify_kv")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +361,7 @@ class TransportInfo(_message.Message):
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     POOL_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POOL_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_KV_FIELD_NUMBER: _ClassVar[int]
     transport: str
     fingerprint: CompatibilityFingerprint
     num_slots: int
@@ -347,7 +370,8 @@ class TransportInfo(_message.Message):
     nixl_agent_metadata: bytes
     pool_base_address: int
     pool_size_bytes: int
-    def __init__(self, transport: _Optional[str] = ..., fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., tcp_address: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., pool_base_address: _Optional[int] = ..., pool_size_bytes: _Optional[int] = ...) -> None: ...
+    verify_kv: bool
+    def __init__(self, transport: _Optional[str] = ..., fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., tcp_address: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., pool_base_address: _Optional[int] = ..., pool_size_bytes: _Optional[int] = ..., verify_kv: _Optional[bool] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "decode_address", "transfer_nonce")

@@ -1,0 +1,34 @@
+"""KV checksums (common/transports/checksum.py): the same bytes at other slots of another pool
+agree, one changed element or a swapped pair of positions does not."""
+from __future__ import annotations
+
+import torch
+
+from common.kv.pool import KVPool
+from common.transports.checksum import first_mismatch, kv_checksums
+
+
+def _pools(dtype: torch.dtype) -> tuple[KVPool, KVPool]:
+    src = KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_pages=8, page_size=4, dtype=dtype)
+    src.data.copy_(torch.randn_like(src.data, dtype=torch.float32).to(dtype))
+    return src, KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_pages=8, page_size=4, dtype=dtype)
+
+
+def test_the_same_kv_at_other_slots_has_the_same_checksums():
+    for dtype in (torch.float32, torch.bfloat16):
+        src, dst = _pools(dtype)
+        src_slots, dst_slots = torch.tensor([5, 6, 7, 20, 21]), torch.tensor([0, 1, 2, 3, 30])
+        dst.data[:, :, dst_slots] = src.data[:, :, src_slots]
+        ours = kv_checksums(src, src_slots)
+        assert len(ours) == 6 and ours == kv_checksums(dst, dst_slots)
+        assert first_mismatch(ours, kv_checksums(dst, dst_slots)) is None
+
+
+def test_one_changed_element_or_swapped_positions_are_caught_and_located():
+    src, dst = _pools(torch.float32)
+    slots = torch.tensor([4, 5, 6, 7])
+    dst.data.copy_(src.data)
+    dst.data[2, 1, 6, 1, 3] += 1e-6  # layer 2, V
+    assert first_mismatch(kv_checksums(src, slots), kv_checksums(dst, slots)) == "layer 2 V"
+    assert first_mismatch(kv_checksums(src, slots), kv_checksums(src, slots.flip(0))) == "layer 0 K"
+    assert "2 per layer" in first_mismatch(kv_checksums(src, slots), [1, 2])
