@@ -39,7 +39,8 @@ prefill node plus a decode node with ``--prefill <it> --min-remote-prefill-token
 settings otherwise. Prompts are random ids in [100, 40000), a different one for every call, so
 no prefix cache ever hits. Median of timed calls after one warm-up call each, alternating the
 two setups; per transport. The prefill node's own histograms give the mean remote prefill and
-RemoteSend times. Goal: disaggregated at most 1.05x single node.
+RemoteSend times. Goal: disaggregated at most 1.05x single node. A third decode node, the same
+but ``--verify-kv off``, measures what checking the KV's checksums costs (goal: at most 3%).
 
 Goals are informational: the exit status is 0 either way.
 
@@ -97,6 +98,7 @@ RAW_GOAL, MEMCPY_GOAL, SOCKET_GOAL, TTFT_GOAL = 0.8, 0.45, 0.7, 1.05
 CHURNED_LAYOUTS = Path(__file__).resolve().parent.parent / "docs" / "bench" / "churned_layouts.json"
 _LENGTH = struct.Struct("<Q")
 TTFT_PROMPT_TOKENS = 1000
+VERIFY_GOAL = 0.03  # --verify-kv on is the default only if it costs at most this much TTFT
 
 
 @dataclass
@@ -126,6 +128,8 @@ class TtftRow:
     single_node_ms: float
     ratio: float
     verdict: str
+    unverified_ms: float  # disaggregated with --verify-kv off
+    verify_cost: float  # disaggregated / unverified - 1
     remote_prefill_ms: float  # mean, from the prefill node's histograms
     remote_send_ms: float  # RemoteSend start to confirmed transfer (prefill included)
 
@@ -408,22 +412,25 @@ def prefill_node_totals(pn: Daemon) -> tuple[float, float, float]:
 
 def bench_ttft(transport: str, single: Daemon, tmp: Path, rng: random.Random, reps: int,
                dtype: str = "auto") -> TtftRow:
+    hand_off = ("--dtype", dtype, "--transport", transport, "--min-remote-prefill-tokens", "1")
     with prefill_node(tmp, "--dtype", dtype, "--transport", transport) as pn, \
-            decode_node(tmp, "--dtype", dtype, "--transport", transport, "--prefill", pn.address,
-                        "--min-remote-prefill-tokens", "1") as dn:
-        time_to_first_token(dn.stub, random_prompt(rng))  # warm-up: handshake, first forward
-        time_to_first_token(single.stub, random_prompt(rng))
+            decode_node(tmp, *hand_off, "--prefill", pn.address) as dn, \
+            decode_node(tmp, *hand_off, "--prefill", pn.address, "--verify-kv", "off") as unverified:
+        for stub in (dn.stub, unverified.stub, single.stub):  # warm-up: handshake, first forward
+            time_to_first_token(stub, random_prompt(rng))
         before = prefill_node_totals(pn)
-        disagg, local = [], []
+        disagg, bare, local = [], [], []
         for _ in range(reps):
             disagg.append(time_to_first_token(dn.stub, random_prompt(rng)))
+            bare.append(time_to_first_token(unverified.stub, random_prompt(rng)))
             local.append(time_to_first_token(single.stub, random_prompt(rng)))
         tokens, prefill_s, send_s = (b - a for a, b in zip(before, prefill_node_totals(pn)))
-    if tokens < reps * (TTFT_PROMPT_TOKENS - 1):
+    if tokens < 2 * reps * (TTFT_PROMPT_TOKENS - 1):
         raise RuntimeError(f"the prefill node computed {tokens:.0f} tokens, not the prompts: "
                            "Generate did not hand them over")
-    a, b = 1e3 * statistics.median(disagg), 1e3 * statistics.median(local)
-    return TtftRow(transport, a, b, a / b, verdict(a / b <= TTFT_GOAL), 1e3 * prefill_s / reps, 1e3 * send_s / reps)
+    a, b, c = (1e3 * statistics.median(x) for x in (disagg, local, bare))
+    return TtftRow(transport, a, b, a / b, verdict(a / b <= TTFT_GOAL), c, a / c - 1,
+                   1e3 * prefill_s / (2 * reps), 1e3 * send_s / (2 * reps))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,12 +453,15 @@ def format_table(kv: list[KvRow], ttft: list[TtftRow], kv_reps: int, ttft_reps: 
     lines += [
         "-" * 150,
         f"TTFT, {TTFT_PROMPT_TOKENS}-tok prompt, ms (median of {ttft_reps})"
-        f"   disagg  single   ratio (<={TTFT_GOAL})   prefill node: prefill / RemoteSend (mean ms)",
+        f"   disagg  single   ratio (<={TTFT_GOAL})   prefill node: prefill / RemoteSend (mean ms)"
+        f"   --verify-kv off  verify cost (<={VERIFY_GOAL:.0%})",
         "-" * 150,
     ]
     for r in ttft:
         lines.append(f"{'--transport ' + r.transport:<36} {r.disaggregated_ms:>8.0f} {r.single_node_ms:>7.0f}"
-                     f"   {r.ratio:>5.2f}x {r.verdict:<9}   {r.remote_prefill_ms:>6.0f} / {r.remote_send_ms:.0f}")
+                     f"   {r.ratio:>5.2f}x {r.verdict:<9}   {r.remote_prefill_ms:>6.0f} / {r.remote_send_ms:<6.0f}"
+                     f"                   {r.unverified_ms:>6.0f}  {r.verify_cost:>+6.1%} "
+                     f"{verdict(r.verify_cost <= VERIFY_GOAL)}")
     return "\n".join(lines)
 
 
@@ -491,8 +501,9 @@ def main() -> None:
         with decode_node(Path(tmp), "--dtype", dtype_name) as single:
             for transport in transports:
                 ttft.append(row := bench_ttft(transport, single, Path(tmp), rng, ttft_reps, dtype_name))
-                print(f"  TTFT {transport}: disaggregated {row.disaggregated_ms:.0f} ms, "
-                      f"single node {row.single_node_ms:.0f} ms", flush=True)
+                print(f"  TTFT {transport}: disaggregated {row.disaggregated_ms:.0f} ms "
+                      f"(--verify-kv off {row.unverified_ms:.0f} ms), single node {row.single_node_ms:.0f} ms",
+                      flush=True)
     load_after = os.getloadavg()[0]
 
     print()
