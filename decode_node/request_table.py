@@ -1,12 +1,16 @@
 """Every live request of the decode node, with its status; every change of status happens here.
 
-    Generate (local prefill)       QUEUED ----------------------------------> RUNNING --> FINISHED
-                                      |                                          |    \\-> ABORTED
-    PrepareReceive ...                v                                          |
-                                   RESERVED --BeginTransfer--> RECEIVING --------+
-                                      |  ^                        |   |  CompleteTransfer
-                                      |  +------ abandoned -------+   v          |
-                                      +---- nothing to send ----> RECEIVED --StartGeneration
+    QUEUED     --admitted, Generate's local prefill-->  RUNNING
+    QUEUED     --admitted, PrepareReceive------------>  RESERVED
+    RESERVED   --BeginTransfer----------------------->  RECEIVING   (RECEIVING again: a retrying writer)
+    RECEIVING  --CompleteTransfer{abandoned}, or a
+                 DATA_LOSS (bad checksums)----------->  RESERVED    (another writer may begin)
+    RECEIVING  --CompleteTransfer-------------------->  RECEIVED
+    RESERVED   --nothing to send (all cached)-------->  RECEIVED
+    RECEIVED   --StartGeneration--------------------->  RUNNING
+    RUNNING    --the scheduler finished it----------->  FINISHED
+    the other ends: QUEUED -> ABORTED; RESERVED | RECEIVING | RECEIVED -> ABORTED | EXPIRED | FAILED;
+                    RUNNING -> ABORTED
 
     QUEUED: waiting for admission (--admission queue); the request holds no pages.
     RESERVED: PrepareReceive reserved pages; no writer has begun. RECEIVING: a writer began
@@ -23,9 +27,8 @@ the engine lock (common/engine/core.py `locked`), as the pages its entries hold 
 from __future__ import annotations
 
 import enum
-import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.engine.core import Engine, Sequence, locked
 from common.kv.segments import Segments
@@ -77,11 +80,6 @@ class LiveRequest:
     request_id: str
     status: Status = S.QUEUED
     reservation: Reservation | None = None
-    since: float = field(default_factory=time.monotonic)  # when it entered its status
-
-    @property
-    def live(self) -> bool:
-        return self.status not in ENDS
 
 
 class RequestTable:
@@ -111,7 +109,7 @@ class RequestTable:
             del self._by_id[entry.request_id]
             if entry.status in HOLDING_RESERVATION:
                 self.engine.release(entry.reservation.seq, cache=False)
-        entry.status, entry.since = to, time.monotonic()
+        entry.status = to
 
     @locked
     def end(self, request_id: str, to: Status) -> LiveRequest | None:
