@@ -229,8 +229,8 @@ def fence_log(log: Path, offset: int) -> str:
                 lifted += json.loads(line).get("pages", 0)
             elif "leave quarantine" in line:
                 expired += json.loads(line).get("fences", 0)
-    return ", ".join(([f"fences lifted on proof: {lifted} pages"] if lifted else [])
-                     + ([f"quarantine expired: {expired} fences"] if expired else []))
+    return "".join(([f"; fences lifted on proof: {lifted} pages"] if lifted else [])
+                   + ([f"; **quarantine expired: {expired} fences**"] if expired else []))
 
 
 def handed_off(dn: Daemon, rid: str) -> str:
@@ -422,12 +422,14 @@ def run_cell(nodes: Nodes, cell: Cell, index: int, ref: Callable[[list[int], int
     out = cell.run(nodes, rid, ids, lambda n: ref(ids, n))
     unsettled = settle(nodes.dn) if nodes.dn.proc.poll() is None else None
     watch.stop()
-    if fences := fence_log(dn_log, log_offset):
-        out.note = f"{out.note}; {fences}" if out.note else fences
     restarted = nodes.restart_dead()
     next_ids = prompt(200 + index)
     next_summary, next_exact = next_request(nodes, f"{rid}-next", next_ids, ref(next_ids, NEW_TOKENS))
+    settling = time.monotonic()
     leaked = settle(nodes.dn, nodes.pn)
+    next_summary += f", whole {time.monotonic() - settling:.1f} s after it"
+    fences = fence_log(dn_log, log_offset) + (fence_log(nodes.dn.log_path, 0) if "decode" in restarted else "")
+    out.note = (out.note + fences).removeprefix("; ")
     if unsettled is not None:
         leaked = f"after the fault: {unsettled}" + (f"; at the end: {leaked}" if leaked else "")
     peak, peak_quarantined = watch.peaks()
