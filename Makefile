@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.duet-installed
 
-.PHONY: run test bench bench-peer install clean gpu-check
+.PHONY: run test bench bench-peer chaos install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ bench: $(STAMP)
 # `make test`): one table with duet / vLLM ratios, docs/bench/peer.json and peer.png.
 bench-peer: $(STAMP)
 	$(PY) -m scripts.bench_peer $(ARGS)
+
+# Fault points x transports with the real daemons (prefill node killed or the request aborted at
+# each step of the hand-off, decode node killed mid-stream; not part of `make test`): completed
+# requests, exact tokens, leaked pages and time until the pool is whole (docs/bench/chaos.md).
+chaos: $(STAMP)
+	$(PY) -m scripts.chaos $(ARGS)
 
 # On a machine with an NVIDIA GPU: kernels, bf16 engine vs transformers, VRAM pools over NIXL, KV
 # bandwidth (docs/gpu.md). The script picks or prepares a Python whose torch sees the GPU.

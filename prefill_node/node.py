@@ -25,6 +25,7 @@ from prefill_node.faults import with_faults
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.scheduler import PrefillJob, PrefillScheduler
 from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +150,17 @@ class PrefillNode:
     def _abandon(self, req: pb.RemoteSendRequest, peer: DecodePeer) -> None:
         """Tell the decode node that this failed transfer will write nothing more, so it can
         reuse the pages at once instead of holding them until its --quarantine-seconds pass.
-        Best effort: when the decode node is unreachable, the quarantine ends it."""
+        Best effort: when the decode node is unreachable, the quarantine ends it. A peer dropped
+        on the way (a failed transfer forgets its endpoint) is told over a channel of its own."""
+        report = pb.CompleteTransferRequest(request_id=req.request_id, transfer_nonce=req.transfer_nonce,
+                                            abandoned=True)
         try:
-            peer.stub.CompleteTransfer(pb.CompleteTransferRequest(
-                request_id=req.request_id, transfer_nonce=req.transfer_nonce, abandoned=True), timeout=2.0)
-        except (grpc.RpcError, ValueError) as exc:  # ValueError: the peer was dropped, its channel closed
+            try:
+                peer.stub.CompleteTransfer(report, timeout=2.0)
+            except ValueError:  # the peer was dropped, its channel closed
+                with self.config.tls.channel(req.decode_address) as channel:
+                    duet_pb2_grpc.DecodeNodeStub(channel).CompleteTransfer(report, timeout=2.0)
+        except grpc.RpcError as exc:
             log.info("could not report an abandoned transfer", extra={"fields": {
                 "request_id": req.request_id, "error": str(exc)}})
 
