@@ -9,7 +9,6 @@ and message, no state change, the daemon keeps serving").
 from __future__ import annotations
 
 import itertools
-import random
 import time
 
 import grpc
@@ -23,6 +22,7 @@ from common.serving.fingerprint import fingerprint_of
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, free_port
+from tests.helpers import call_status, greedy, random_ids, wait_clean
 from tests.reference import FP32, engine_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,10 +39,6 @@ TIMEOUT_S = 30.0
 FUZZ = settings(max_examples=60, deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large, HealthCheck.filter_too_much])
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,13 +85,7 @@ def fingerprint(model) -> pb.CompatibilityFingerprint:
 
 def status(call) -> tuple[grpc.StatusCode, object]:
     """Run a unary call; the status must be a documented one."""
-    try:
-        result, code = call(), C.OK
-    except grpc.RpcError as exc:
-        result, code = exc, exc.code()
-        assert code in ALLOWED, f"undocumented status {code}: {exc.details()}"
-        assert exc.details(), f"{code} without a message"
-    return code, result
+    return call_status(call, ALLOWED)
 
 
 _counter = itertools.count()
@@ -141,31 +131,14 @@ def reserve(nodes: Nodes, rid: str, tokens: list[int], end: int | None = None) -
     return nodes.d.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=tokens, **kwargs), timeout=10)
 
 
-def _leaks(d: Daemon) -> str | None:
-    m = d.metrics()
-    total, free, cached = m["duet_kv_pages_total"], m["duet_kv_pages_free"], m.get("duet_kv_pages_cached", 0)
-    reserved = m.get("duet_kv_pages_reserved", 0)
-    running = d.stub.GetLoad(pb.GetLoadRequest(), timeout=5).running_requests
-    if free + cached != total or reserved or running:
-        return f"{d.address}: total={total} free={free} cached={cached} reserved={reserved} running={running}"
-    return None
-
-
-def wait_clean(nodes: Nodes, timeout: float = LEASE_S + 10) -> None:
-    deadline = time.monotonic() + timeout
-    while (problems := [p for d in (nodes.dn, nodes.pn) if (p := _leaks(d)) is not None]):
-        assert time.monotonic() < deadline, f"KV pages leaked or requests left running: {problems}"
-        time.sleep(0.1)
-
-
 def still_serving(nodes: Nodes) -> None:
     """Both daemons alive, nothing leaked, and a tiny generation completes."""
     nodes.alive()
-    wait_clean(nodes)
+    wait_clean(nodes.dn, nodes.pn)
     chunks = list(nodes.d.Generate(pb.GenerateRequest(token_ids=[1, 2, 3], sampling=pb.SamplingParams(
         max_tokens=2, ignore_eos=True)), timeout=20))
     assert chunks[-1].finish_reason == "length"
-    wait_clean(nodes)
+    wait_clean(nodes.dn, nodes.pn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +361,7 @@ def test_complete_transfer(nodes, other, nonce, live):
     own = fresh_id("ct")
     rid = own if other is None else other
     try:
-        made = reserve(nodes, own, _ids(20, 1)) if live else None
+        made = reserve(nodes, own, random_ids(20, 1)) if live else None
         sent = made.transfer_nonce if (made is not None and nonce is None) else (nonce or 0)
         code, _ = status(lambda: nodes.d.CompleteTransfer(pb.CompleteTransferRequest(
             request_id=rid, transfer_nonce=sent), timeout=10))
@@ -409,7 +382,7 @@ def test_begin_transfer(nodes, data, other, nonce, live):
     own = fresh_id("bt")
     rid = own if other is None else other
     try:
-        made = reserve(nodes, own, _ids(40, 2)) if live else None
+        made = reserve(nodes, own, random_ids(40, 2)) if live else None
         right = list(made.kv_append_metadata) if made else [1, 0, 39]
         md = data.draw(st.one_of(st.just(right), metadata_lists, st.just(right + [7]),
                                  st.just([1, right[1] + 1, right[2]] if len(right) > 2 else [1, 1, 39])), label="metadata")
@@ -438,7 +411,7 @@ def test_begin_transfer_truncated_metadata(nodes, keep):
     """The reservation's own metadata cut short (the run count alone, or a start without its
     length) is INVALID_ARGUMENT, whatever runs of slots the pool handed out."""
     own = fresh_id("bt-short")
-    made = reserve(nodes, own, _ids(40, 3))
+    made = reserve(nodes, own, random_ids(40, 3))
     try:
         metadata = list(made.kv_append_metadata)[:keep]
         code, _ = status(lambda: nodes.d.BeginTransfer(pb.BeginTransferRequest(
@@ -551,22 +524,22 @@ def _reference(model, prompt, n):
 
 def test_correct_tokens_afterwards(nodes, model):
     still_serving(nodes)
-    greedy = pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    sampling = greedy(8)
     for n, seed in ((10, 1), (50, 2)):  # Generate: local prefill, then handed to the prefill node
-        prompt = _ids(n, seed)
-        tokens = [t for c in nodes.d.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy), timeout=60)
+        prompt = random_ids(n, seed)
+        tokens = [t for c in nodes.d.Generate(pb.GenerateRequest(token_ids=prompt, sampling=sampling), timeout=60)
                   for t in c.token_ids]
         assert tokens == _reference(model, prompt, 8)
-    prompt = _ids(40, 3)
+    prompt = random_ids(40, 3)
     r = reserve(nodes, "final", prompt)
     nodes.p.RemoteSend(pb.RemoteSendRequest(
         request_id="final", token_ids=prompt, kv_window_begin=r.prefix_matched_length, kv_window_end=r.kv_window_end,
         kv_append_metadata=r.kv_append_metadata, decode_address=nodes.dn.address, transfer_nonce=r.transfer_nonce),
         timeout=60)
     tokens = [t for c in nodes.d.StartGeneration(pb.StartGenerationRequest(
-        request_id="final", kv_window_begin=r.kv_window_end, sampling=greedy), timeout=60) for t in c.token_ids]
+        request_id="final", kv_window_begin=r.kv_window_end, sampling=sampling), timeout=60) for t in c.token_ids]
     assert tokens == _reference(model, prompt, 8)
-    wait_clean(nodes)
+    wait_clean(nodes.dn, nodes.pn)
 
 
 def test_tiny_temperature_does_not_stop_the_decode_loop(nodes):
