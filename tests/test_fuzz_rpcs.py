@@ -225,11 +225,14 @@ fingerprints = st.builds(
        end=st.one_of(st.none(), st.none(), st.integers(-45, 45), int64))
 @example(rid=None, tokens=[5] * (CONTEXT - 1), end=None)  # fits the context, not the pool
 def test_prepare_receive(nodes, rid, tokens, end):
-    rid = fresh_id("pr") if rid is None else rid
+    record("PrepareReceive", _prepare_receive(nodes, fresh_id("pr") if rid is None else rid, tokens, end))
+
+
+def _prepare_receive(nodes: Nodes, rid: str, tokens: list[int], end: int | None) -> grpc.StatusCode:
+    """One PrepareReceive, its answer checked and its reservation aborted; its status."""
     kwargs = {} if end is None else {"kv_window_end": end}
     code, r = status(lambda: nodes.d.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=tokens,
                                                                               **kwargs), timeout=10))
-    record("PrepareReceive", code)
     try:
         if code == C.OK:
             n = len(tokens)
@@ -251,9 +254,32 @@ def test_prepare_receive(nodes, rid, tokens, end):
         if code == C.OK:
             abort(nodes, rid)
     nodes.alive()
+    return code
 
 
 def test_prepare_receive_leaves_nothing_behind(nodes):
+    """Reservations of its own, good ones and refused ones (each aborted), and one left to its lease:
+    afterwards every page is back and the node still serves."""
+    cases = [  # (request id, prompt, kv_window_end, the status)
+        (None, random_ids(40, 11), None, C.OK),
+        (None, random_ids(40, 12), 5, C.OK),
+        (None, random_ids(40, 13), -3, C.OK),
+        (None, random_ids(40, 14), 0, C.OK),
+        (None, [], None, C.INVALID_ARGUMENT),
+        (None, [5, VOCAB], None, C.INVALID_ARGUMENT),
+        (None, [-1, 5], None, C.INVALID_ARGUMENT),
+        (None, [5, 6, 7], 3, C.INVALID_ARGUMENT),
+        (None, [5, 6, 7], -4, C.INVALID_ARGUMENT),
+        (None, [5, 6, 7], 2**62, C.INVALID_ARGUMENT),
+        (None, [5] * (CONTEXT - 1), None, C.RESOURCE_EXHAUSTED),  # fits the context, not the pool
+        (None, [7] * (CONTEXT + 1000), None, C.INVALID_ARGUMENT),
+        ("", random_ids(20, 15), None, C.INVALID_ARGUMENT),
+        ("x" * 257, random_ids(20, 16), None, C.INVALID_ARGUMENT),
+    ]
+    codes = [_prepare_receive(nodes, fresh_id("pr-clean") if rid is None else rid, tokens, end)
+             for rid, tokens, end, _ in cases]
+    assert codes == [want for *_, want in cases]
+    reserve(nodes, fresh_id("pr-lease"), random_ids(60, 17))  # never aborted: its lease returns the pages
     still_serving(nodes)
 
 
@@ -288,6 +314,46 @@ def test_start_generation(nodes, data, sampling):
 
 
 def test_start_generation_leaves_nothing_behind(nodes):
+    """StartGeneration on reservations of its own: read to the end, cancelled after a chunk, with
+    parallel samples, and refused (unknown id, wrong window, transfer not done, wild sampling).
+    Once they are aborted, every page is back and the node still serves."""
+    own: list[str] = []
+
+    def reserved(end: int | None = 0) -> tuple[str, pb.PrepareReceiveResponse]:
+        own.append(fresh_id("sg-clean"))
+        return own[-1], reserve(nodes, own[-1], random_ids(20, 20 + len(own)), end)  # no prefix in common
+
+    def start(rid: str, begin: int, sampling: pb.SamplingParams = greedy(3), max_chunks: int = 100):
+        return stream_status(nodes.d.StartGeneration(pb.StartGenerationRequest(
+            request_id=rid, kv_window_begin=begin, sampling=sampling), timeout=TIMEOUT_S), max_chunks)[0]
+
+    def complete(rid: str, made: pb.PrepareReceiveResponse) -> None:
+        code, _ = status(lambda: nodes.d.CompleteTransfer(pb.CompleteTransferRequest(
+            request_id=rid, transfer_nonce=made.transfer_nonce), timeout=10))
+        assert code == C.OK
+
+    try:
+        rid, _ = reserved()
+        assert start(rid, 0) == C.OK  # the whole prompt computed here, read to the end
+        rid, _ = reserved()
+        assert start(rid, 0, greedy(1000), max_chunks=1) == C.OK  # cancelled after its first chunk
+        rid, _ = reserved()
+        assert start(rid, 0, pb.SamplingParams(max_tokens=1000, temperature=1.0, n=3, seed=1), max_chunks=2) == C.OK
+        rid, made = reserved(None)  # a window of pages to transfer into, never written
+        assert start(rid, made.kv_window_end) == C.FAILED_PRECONDITION
+        assert start(rid, 3) == C.INVALID_ARGUMENT
+        complete(rid, made)
+        assert start(rid, made.kv_window_end, greedy(1000), max_chunks=1) == C.OK
+        assert start(fresh_id("sg-unknown"), 0) == C.NOT_FOUND
+        assert start("", 0) != C.OK
+        for wild in (pb.SamplingParams(max_tokens=-1), pb.SamplingParams(temperature=float("nan")),
+                     pb.SamplingParams(top_p=-1.0), pb.SamplingParams(n=17), pb.SamplingParams(top_k=-5),
+                     pb.SamplingParams(guided=pb.GuidedDecoding(regex="("))):
+            rid, made = reserved(None)
+            complete(rid, made)
+            assert start(rid, made.kv_window_end, wild) != C.OK, wild  # refused: the reservation stays
+    finally:
+        abort(nodes, *own)
     still_serving(nodes)
 
 
@@ -332,6 +398,38 @@ def test_generate(nodes, data, sampling):
 
 
 def test_generate_leaves_nothing_behind(nodes):
+    """Generate calls of its own: prefilled here or by the prefill node, read to the end, cancelled
+    after a chunk, cut by their deadline mid-prefill, and refused. Afterwards every page of both
+    nodes is back and they still serve."""
+    own: list[str] = []
+
+    def generate(sampling: pb.SamplingParams = greedy(3), max_chunks: int = 100, timeout: float = TIMEOUT_S,
+                 **kwargs) -> grpc.StatusCode:
+        own.append(fresh_id("gen-clean"))
+        return stream_status(nodes.d.Generate(pb.GenerateRequest(request_id=own[-1], sampling=sampling, **kwargs),
+                                              timeout=timeout), max_chunks)[0]
+
+    long = random_ids(40, 32)  # 32+ tokens: handed to the prefill node
+    try:
+        assert generate(token_ids=random_ids(10, 31)) == C.OK
+        assert generate(token_ids=long) == C.OK
+        assert generate(prompt="Hello") == C.OK
+        assert generate(messages=[pb.ChatMessage(role="user", content="Hi")]) == C.OK
+        assert generate(greedy(1000), max_chunks=1, token_ids=random_ids(10, 33)) == C.OK  # cancelled
+        assert generate(greedy(1000), max_chunks=1, token_ids=random_ids(48, 34)) == C.OK  # cancelled
+        assert generate(pb.SamplingParams(max_tokens=1000, temperature=1.0, n=3, seed=2), max_chunks=2,
+                        token_ids=long) == C.OK
+        assert generate(timeout=0.2, token_ids=random_ids(600, 35)) == C.DEADLINE_EXCEEDED  # mid-prefill
+        for bad in (dict(token_ids=[]), dict(token_ids=[5, VOCAB]), dict(token_ids=[7] * (CONTEXT + 1000)),
+                    dict(prompt="x" * 1_000_001), dict(prompt="Hi", token_ids=[5, 6]),
+                    dict(token_ids=long, sampling=pb.SamplingParams(max_tokens=-1)),
+                    dict(token_ids=long, sampling=pb.SamplingParams(n=17)),
+                    dict(token_ids=long, sampling=pb.SamplingParams(guided=pb.GuidedDecoding(json_schema="{"))),
+                    dict(messages=[pb.ChatMessage(role="user", content="Hi")],
+                         tools=[pb.FunctionTool(name="f", parameters="[" * 100_000)])):
+            assert generate(**bad) != C.OK, bad
+    finally:
+        abort(nodes, *own)
     still_serving(nodes)
 
 
@@ -506,6 +604,38 @@ def _remote_send(nodes, data, own, prompt):
 
 
 def test_remote_send_leaves_nothing_behind(nodes):
+    """RemoteSend calls of its own into reservations of its own: good ones (then generated from, or
+    aborted) and ones with a wrong field each. Once the reservations are aborted, every page of both
+    nodes is back and they still serve."""
+    own: list[str] = []
+
+    def send(reserve_first: bool = True, n: int = 40, timeout: float = TIMEOUT_S,
+             **wrong) -> tuple[grpc.StatusCode, str, pb.PrepareReceiveResponse | None]:
+        own.append(fresh_id("rs-clean"))
+        prompt = random_ids(n, 600 + len(own))  # no prefix in common with another test
+        made = reserve(nodes, own[-1], prompt) if reserve_first else None
+        right = dict(request_id=own[-1], token_ids=prompt, kv_window_begin=made.prefix_matched_length if made else 0,
+                     kv_window_end=made.kv_window_end if made else n - 1,
+                     kv_append_metadata=made.kv_append_metadata if made else [1, 0, n - 1],
+                     decode_address=nodes.dn.address, transfer_nonce=made.transfer_nonce if made else 1)
+        code, _ = status(lambda: nodes.p.RemoteSend(pb.RemoteSendRequest(**{**right, **wrong}), timeout=timeout))
+        return code, own[-1], made
+
+    try:
+        code, rid, made = send()
+        assert code == C.OK
+        assert stream_status(nodes.d.StartGeneration(pb.StartGenerationRequest(
+            request_id=rid, kv_window_begin=made.kv_window_end, sampling=greedy(3)), timeout=TIMEOUT_S))[0] == C.OK
+        assert send()[0] == C.OK  # sent, then aborted unused
+        assert send(reserve_first=False)[0] != C.OK
+        assert send(n=1000, timeout=0.2)[0] == C.DEADLINE_EXCEEDED  # cut mid-prefill
+        for wrong in (dict(transfer_nonce=12345), dict(request_id=fresh_id("rs-other")), dict(kv_window_end=20),
+                      dict(kv_window_begin=-1), dict(kv_append_metadata=[1, 1, 39]), dict(kv_append_metadata=[]),
+                      dict(token_ids=[5, VOCAB]), dict(decode_address="127.0.0.1:1"),
+                      dict(decode_address=nodes.pn.address), dict(decode_address="nohost")):
+            assert send(**wrong)[0] != C.OK, wrong
+    finally:
+        abort(nodes, *own)
     still_serving(nodes)
 
 
