@@ -57,7 +57,7 @@ from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon
 from tests.reference import FP32, engine_greedy
-from tests.test_faults import Background, code_of, drain, greedy
+from tests.helpers import Background, drain, greedy, status_of
 
 TRANSPORTS = ("nixl", "tcp")
 PROMPT_TOKENS = 300
@@ -307,7 +307,7 @@ def _kill_pn_on(event: str, times: int = 1):
 
 
 def _abort(nodes: Nodes, rid: str) -> str:
-    return code_of(lambda: nodes.dn.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10)).name
+    return status_of(lambda: nodes.dn.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10)).name
 
 
 def _remote_send(nodes: Nodes, rid: str, ids: list[int], r: pb.PrepareReceiveResponse):
@@ -318,7 +318,7 @@ def _remote_send(nodes: Nodes, rid: str, ids: list[int], r: pb.PrepareReceiveRes
 
 
 def _start_code(nodes: Nodes, rid: str, r: pb.PrepareReceiveResponse) -> str:
-    return code_of(lambda: nodes.dn.stub.StartGeneration(pb.StartGenerationRequest(
+    return status_of(lambda: nodes.dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id=rid, kv_window_begin=r.kv_window_end, sampling=greedy(NEW_TOKENS)), timeout=10)).name
 
 
@@ -330,9 +330,9 @@ def _abort_on(event: str | None, times: int = 1):
         note = ""
         if event == "prepared":
             fault_at, abort = time.monotonic(), _abort(nodes, rid)
-            send_code = code_of(lambda: _remote_send(nodes, rid, ids, r)).name
+            send_code = status_of(lambda: _remote_send(nodes, rid, ids, r)).name
         elif event is None:
-            send_code = code_of(lambda: _remote_send(nodes, rid, ids, r)).name
+            send_code = status_of(lambda: _remote_send(nodes, rid, ids, r)).name
             fault_at, abort = time.monotonic(), _abort(nodes, rid)
         else:
             send = Background(lambda: _remote_send(nodes, rid, ids, r))

@@ -7,7 +7,6 @@ Policy tests run a real DecodeNode (real model, real engine) in this process; th
 a real decode node daemon with a 16-page pool."""
 from __future__ import annotations
 
-import random
 import time
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +23,7 @@ from decode_node.node import DecodeNode
 from decode_node.request_table import Status
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
+from tests.helpers import greedy, random_ids
 from tests.reference import FP32, hf_greedy
 
 PAGE = 16
@@ -34,13 +34,10 @@ POOL = 16
 def _queued(node) -> int:
     return node.requests.counts()[Status.QUEUED]
 
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
-
 
 def _prompt_for(pages: int, seed: int) -> list[int]:
     """A prompt whose default window (all but its last token) fills exactly `pages` pages."""
-    return _ids(pages * PAGE + 1, seed)
+    return random_ids(pages * PAGE + 1, seed)
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -108,17 +105,17 @@ def test_queue_is_fifo_a_big_head_is_not_starved_by_small_requests(model, tokeni
 
 def test_running_and_total_token_caps_queue_and_name_the_flag(model, tokenizer):
     with in_process_node(model, tokenizer, admission="queue", max_running_requests=2, max_total_tokens=100) as node:
-        node.prepare_receive("a", _ids(30, 1), None)
-        node.prepare_receive("b", _ids(30, 2), None)
+        node.prepare_receive("a", random_ids(30, 1), None)
+        node.prepare_receive("b", random_ids(30, 2), None)
         with pytest.raises(DeadlineExceeded, match="--max-running-requests 2"):
-            node.prepare_receive("c", _ids(30, 3), None, deadline=time.monotonic() + 0.3)
+            node.prepare_receive("c", random_ids(30, 3), None, deadline=time.monotonic() + 0.3)
         node.abort("b")
         with pytest.raises(DeadlineExceeded, match="--max-total-tokens 100"):
-            node.prepare_receive("d", _ids(71, 4), None, deadline=time.monotonic() + 0.3)
-        node.prepare_receive("e", _ids(70, 5), None)  # 30 + 70 tokens: exactly the cap
+            node.prepare_receive("d", random_ids(71, 4), None, deadline=time.monotonic() + 0.3)
+        node.prepare_receive("e", random_ids(70, 5), None)  # 30 + 70 tokens: exactly the cap
         started = time.monotonic()
         with pytest.raises(ResourceExhausted, match="can never run here"):
-            node.prepare_receive("f", _ids(101, 6), None)
+            node.prepare_receive("f", random_ids(101, 6), None)
         assert time.monotonic() - started < 0.5 and refusals(node, "too_large") == 1
         node.abort("a")
         node.abort("e")
@@ -128,7 +125,7 @@ def test_running_and_total_token_caps_queue_and_name_the_flag(model, tokenizer):
 def test_abort_of_a_waiting_request_ends_its_wait(model, tokenizer):
     with in_process_node(model, tokenizer, admission="queue") as node, ThreadPoolExecutor(1) as pool:
         node.prepare_receive("hold", _prompt_for(16, 1), None)
-        waiting: Future = pool.submit(node.prepare_receive, "w", _ids(20, 2), None)
+        waiting: Future = pool.submit(node.prepare_receive, "w", random_ids(20, 2), None)
         wait_for(lambda: node.load().queued_requests == 1)
         node.abort("w")
         with pytest.raises(Aborted, match="waiting for admission"):
@@ -156,10 +153,6 @@ def test_cached_pages_are_evicted_instead_of_queuing(model, tokenizer):
 
 
 # ---- end to end, through a real decode node daemon ----
-
-def greedy(n: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def queued(tmp_path_factory):
@@ -194,12 +187,12 @@ def test_a_waiting_prepare_receive_is_admitted_when_pages_free_up(queued):
     hold_the_pool(queued, "hold")
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(queued.stub.PrepareReceive,
-                              pb.PrepareReceiveRequest(request_id="w", token_ids=_ids(50, 1)), timeout=30)
+                              pb.PrepareReceiveRequest(request_id="w", token_ids=random_ids(50, 1)), timeout=30)
         wait_for(lambda: queued.metrics()["duet_admission_queue_depth"] == 1)
         assert queued.stub.GetLoad(pb.GetLoadRequest()).queued_requests == 1
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
-            queued.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="x", token_ids=_ids(50, 2)), timeout=10)
+            queued.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="x", token_ids=random_ids(50, 2)), timeout=10)
         assert time.monotonic() - started < 1
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-queued-requests" in info.value.details()
@@ -216,10 +209,10 @@ def test_waiters_whose_deadline_passes_or_who_cancel_leave_the_queue(queued):
     hold_the_pool(queued, "hold2")
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
-        queued.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="late", token_ids=_ids(50, 3)), timeout=0.5)
+        queued.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="late", token_ids=random_ids(50, 3)), timeout=0.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 2
     wait_for(lambda: queued.stub.GetLoad(pb.GetLoadRequest()).queued_requests == 0, timeout=2)
-    call = queued.stub.PrepareReceive.future(pb.PrepareReceiveRequest(request_id="gone", token_ids=_ids(50, 4)))
+    call = queued.stub.PrepareReceive.future(pb.PrepareReceiveRequest(request_id="gone", token_ids=random_ids(50, 4)))
     wait_for(lambda: queued.stub.GetLoad(pb.GetLoadRequest()).queued_requests == 1)
     call.cancel()
     wait_for(lambda: queued.stub.GetLoad(pb.GetLoadRequest()).queued_requests == 0, timeout=2)

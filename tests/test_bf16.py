@@ -10,8 +10,9 @@ import torch
 from common.engine.core import Engine
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
+from tests.helpers import drain, greedy, random_ids
 from tests.reference import FP32, hf_greedy
-from tests.test_disaggregated import _ids, greedy, no_leak, three_calls, tokens_of
+from tests.test_disaggregated import no_leak, three_calls
 from tests.test_model_vs_transformers import PROMPTS
 
 BF16 = ("--dtype", "bfloat16")
@@ -91,7 +92,7 @@ def pair_bf16(request, tmp_path_factory):
 
 
 def _single(dn, prompt: list[int], n: int = 12) -> list[int]:
-    return tokens_of(dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(n))))[0]
+    return drain(dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(n))))[0]
 
 
 def test_bf16_nodes_say_so(pair_bf16):
@@ -105,10 +106,10 @@ def test_bf16_churned_pool_equals_single_node(pair_bf16, single_bf16):
     dn, pn = pair_bf16
     held = [f"bf16-hold{i}" for i in range(30)]  # 90 of the 96 pages
     for i, rid in enumerate(held):
-        dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=_ids(33, 400 + i)))
+        dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=random_ids(33, 400 + i)))
     for rid in held[::2]:
         dn.stub.Abort(pb.AbortRequest(request_id=rid))
-    prompt = _ids(600, 13)  # 38 pages: only the holes hold them
+    prompt = random_ids(600, 13)  # 38 pages: only the holes hold them
     tokens, r, _, _ = three_calls(dn, pn, "bf16-churned", prompt, max_tokens=12)
     assert r.kv_append_metadata[0] >= 2
     assert tokens == _single(single_bf16, prompt)
@@ -120,7 +121,7 @@ def test_bf16_churned_pool_equals_single_node(pair_bf16, single_bf16):
 @pytest.mark.parametrize("length", [2, 17, 100, 700])  # 700: two prefill chunks of --max-batch-tokens 512
 def test_bf16_disaggregated_equals_single_node(pair_bf16, single_bf16, length):
     dn, pn = pair_bf16
-    prompt = _ids(length, 2000 + length)
+    prompt = random_ids(length, 2000 + length)
     tokens, r, sent, _ = three_calls(dn, pn, f"bf16-{length}", prompt, max_tokens=12)
     assert sent.tokens_sent == length - 1 and sent.bytes_sent == (length - 1) * 30 * 2 * 3 * 64 * 2  # 2-byte KV
     assert tokens == _single(single_bf16, prompt)
@@ -135,7 +136,7 @@ def test_bf16_chat_and_prefix_hits_equal_single_node(pair_bf16, single_bf16, tok
     dn, _ = pair_bf16
     for question in ("Name three rivers in Europe.", "Name three rivers in Asia."):
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
-        tokens, last = tokens_of(dn.stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=greedy(24))))
+        tokens, last = drain(dn.stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=greedy(24))))
         assert tokens == _single(single_bf16, ids, 24)
     assert last.usage.cached_tokens > 0
 
@@ -144,7 +145,7 @@ def test_fp32_and_bf16_nodes_refuse_each_other(single_bf16, tmp_path):
     """The handshake is the transports' common part: one pair of nodes shows it."""
     dn = single_bf16
     with prefill_node(tmp_path, *FP32, "--transport", "tcp") as fp32:
-        prompt = _ids(20, 14)
+        prompt = random_ids(20, 14)
         r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="bf16-fp", token_ids=prompt))
         with pytest.raises(grpc.RpcError) as info:
             fp32.stub.RemoteSend(pb.RemoteSendRequest(

@@ -1,7 +1,6 @@
 """The decode node daemon through real gRPC: contract, statuses, leases, no leaked pages."""
 from __future__ import annotations
 
-import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,14 +11,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
-from tests.helpers import wire_slots
+from tests.helpers import greedy, random_ids, status_of, wire_slots
 from tests.reference import FP32, hf_greedy
 
 PAGE = 16
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
 
 
 def run(stream) -> tuple[list[int], str, pb.GenerationChunk]:
@@ -29,18 +24,6 @@ def run(stream) -> tuple[list[int], str, pb.GenerationChunk]:
         text += chunk.text
         last = chunk
     return tokens, text, last
-
-
-def greedy(n: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def status_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        result = call()
-        if not isinstance(result, pb.PrepareReceiveResponse | pb.AbortResponse | pb.CompleteTransferResponse):
-            list(result)
-    return info.value.code()
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -96,7 +79,7 @@ def test_generate_from_chat_messages_and_text(node, tokenizer):
 
 
 def test_prepare_receive_metadata_describes_the_reserved_window(node):
-    prompt = _ids(45, 1)
+    prompt = random_ids(45, 1)
     r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="meta", token_ids=prompt))
     assert r.prompt_length == 45 and r.kv_window_end == 44 and r.prefix_matched_length == 0
     md = list(r.kv_append_metadata)
@@ -108,7 +91,7 @@ def test_prepare_receive_metadata_describes_the_reserved_window(node):
 @pytest.mark.parametrize("end, expected", [(0, 0), (5, 5), (-3, 7)])
 def test_kv_window_end_resolution(node, end, expected):
     rid = f"end{end}"
-    r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=_ids(10, 2), kv_window_end=end))
+    r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=random_ids(10, 2), kv_window_end=end))
     assert r.kv_window_end == expected and len(wire_slots(r.kv_append_metadata)) == expected
     if expected == 0:
         assert list(r.kv_append_metadata) == [0]
@@ -116,7 +99,7 @@ def test_kv_window_end_resolution(node, end, expected):
 
 
 def test_full_prefix_hit_three_call_flow_equals_generate(node):
-    prompt = _ids(40, 3)
+    prompt = random_ids(40, 3)
     want, _, _ = run(node.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(8))))
     # The finished request's two full pages and its tail page (positions 32..46) are cached: all
     # but the last prompt token match, and a window ending at 32 needs nothing sent.
@@ -128,7 +111,7 @@ def test_full_prefix_hit_three_call_flow_equals_generate(node):
 
 
 def test_prefix_reuse_shrinks_the_reserved_range(node):
-    prompt = _ids(50, 4)
+    prompt = random_ids(50, 4)
     run(node.stub.Generate(pb.GenerateRequest(token_ids=prompt[:40], sampling=greedy(1))))
     r = node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="reuse", token_ids=prompt))
     assert r.prefix_matched_length == 40  # two full pages and the 8 positions of the tail page
@@ -138,7 +121,7 @@ def test_prefix_reuse_shrinks_the_reserved_range(node):
 
 def test_concurrent_reservations_never_share_a_slot(node):
     def reserve(i):
-        return node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=f"c{i}", token_ids=_ids(70, 100 + i)))
+        return node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=f"c{i}", token_ids=random_ids(70, 100 + i)))
 
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(reserve, range(24)))
@@ -155,11 +138,11 @@ def test_fragmented_pool_gives_multi_segment_metadata(small_node):
     stub = small_node.stub
     slots = {}
     for name in "abcd":  # 15 pages each: 60 of 64 used
-        r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=name, token_ids=_ids(241, ord(name))))
+        r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=name, token_ids=random_ids(241, ord(name))))
         slots[name] = set(wire_slots(r.kv_append_metadata))
     for name in "bd":  # free runs of 15 and 19 pages: no run holds 20
         stub.Abort(pb.AbortRequest(request_id=name))
-    r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="e", token_ids=_ids(321, 9)))
+    r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="e", token_ids=random_ids(321, 9)))
     md = list(r.kv_append_metadata)
     assert md[0] >= 2, md
     e = set(wire_slots(md))
@@ -171,7 +154,7 @@ def test_fragmented_pool_gives_multi_segment_metadata(small_node):
 
 def test_lease_expiry_returns_pages(small_node):
     before = small_node.metrics()
-    small_node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="lease", token_ids=_ids(100, 5)))
+    small_node.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="lease", token_ids=random_ids(100, 5)))
     assert small_node.metrics()["duet_kv_pages_reserved"] == 7
     wait_for(lambda: small_node.metrics()["duet_kv_pages_reserved"] == 0, timeout=5)
     after = small_node.metrics()
@@ -184,9 +167,9 @@ def test_lease_expiry_returns_pages(small_node):
 def test_pool_exhaustion_is_resource_exhausted_fast(small_node):
     started = time.monotonic()
     code = status_of(lambda: small_node.stub.PrepareReceive(
-        pb.PrepareReceiveRequest(request_id="huge", token_ids=_ids(2000, 6))))
+        pb.PrepareReceiveRequest(request_id="huge", token_ids=random_ids(2000, 6))))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - started < 2
-    code = status_of(lambda: small_node.stub.Generate(pb.GenerateRequest(token_ids=_ids(2000, 6), sampling=greedy(2))))
+    code = status_of(lambda: small_node.stub.Generate(pb.GenerateRequest(token_ids=random_ids(2000, 6), sampling=greedy(2))))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert pages_back_to_baseline(small_node)
 
@@ -207,7 +190,7 @@ def test_prepare_receive_invalid_arguments(node, request_kwargs, fragment):
 
 def test_duplicate_unknown_and_premature_calls(node):
     stub = node.stub
-    r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="dup", token_ids=_ids(20, 7)))
+    r = stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="dup", token_ids=random_ids(20, 7)))
     assert status_of(lambda: stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="dup", token_ids=[1, 2]))) \
         == grpc.StatusCode.ALREADY_EXISTS
     start = pb.StartGenerationRequest(request_id="dup", kv_window_begin=19, sampling=greedy(1))
@@ -238,11 +221,11 @@ def test_generate_invalid_arguments(node, request_kwargs, fragment):
 
 
 def test_cancelled_stream_and_abort_free_pages(node):
-    stream = node.stub.Generate(pb.GenerateRequest(request_id="cancel", token_ids=_ids(30, 8),
+    stream = node.stub.Generate(pb.GenerateRequest(request_id="cancel", token_ids=random_ids(30, 8),
                                                    sampling=greedy(100_000)))
     next(stream)
     stream.cancel()
-    stream2 = node.stub.Generate(pb.GenerateRequest(request_id="abort", token_ids=_ids(30, 9),
+    stream2 = node.stub.Generate(pb.GenerateRequest(request_id="abort", token_ids=random_ids(30, 9),
                                                     sampling=greedy(100_000)))
     next(stream2)
     node.stub.Abort(pb.AbortRequest(request_id="abort"))
@@ -253,7 +236,7 @@ def test_cancelled_stream_and_abort_free_pages(node):
 
 def test_sigterm_drains_and_exits_zero(tmp_path):
     with decode_node(tmp_path, *FP32) as d:
-        stream = d.stub.Generate(pb.GenerateRequest(token_ids=_ids(10, 10), sampling=greedy(20)))
+        stream = d.stub.Generate(pb.GenerateRequest(token_ids=random_ids(10, 10), sampling=greedy(20)))
         next(stream)
         d.proc.send_signal(signal.SIGTERM)
         tokens, _, last = run(stream)  # the in-flight stream still completes

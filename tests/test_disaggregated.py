@@ -1,7 +1,6 @@
 """Both daemons as real processes on loopback: the hand-off gives exactly the single-node output."""
 from __future__ import annotations
 
-import random
 import time
 
 import grpc
@@ -9,25 +8,10 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
+from tests.helpers import drain, greedy, random_ids
 from tests.reference import FP32, engine_greedy, hf_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
-
-
-def greedy(n: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def tokens_of(stream) -> tuple[list[int], pb.GenerationChunk]:
-    tokens, last = [], None
-    for chunk in stream:
-        tokens += chunk.token_ids
-        last = chunk
-    return tokens, last
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -47,7 +31,7 @@ def three_calls(dn, pn, request_id: str, prompt: list[int], max_tokens: int = 8,
             request_id=request_id, token_ids=prompt, kv_window_begin=r.prefix_matched_length,
             kv_window_end=r.kv_window_end, kv_append_metadata=r.kv_append_metadata,
             decode_address=dn.address, transfer_nonce=r.transfer_nonce))
-    tokens, last = tokens_of(dn.stub.StartGeneration(pb.StartGenerationRequest(
+    tokens, last = drain(dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id=request_id, kv_window_begin=r.kv_window_end, sampling=greedy(max_tokens))))
     return tokens, r, sent, last
 
@@ -61,7 +45,7 @@ def no_leak(d) -> bool:
 @pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 100])
 def test_three_call_flow_equals_single_node(pair, model, length):
     dn, pn = pair
-    prompt = _ids(length, 1000 + length)
+    prompt = random_ids(length, 1000 + length)
     tokens, r, sent, last = three_calls(dn, pn, f"len{length}", prompt)
     assert tokens == engine_greedy(model, prompt, 8)
     if length > 1:
@@ -71,7 +55,7 @@ def test_three_call_flow_equals_single_node(pair, model, length):
 
 def test_long_prompt_equals_transformers(pair, model, hf_model):
     dn, pn = pair
-    prompt = _ids(2100, 7)
+    prompt = random_ids(2100, 7)
     tokens, _, sent, _ = three_calls(dn, pn, "long", prompt, max_tokens=6)
     assert sent.tokens_sent == 2099 and sent.bytes_sent > 0
     assert tokens == hf_greedy(hf_model, prompt, 6)
@@ -81,16 +65,16 @@ def test_one_call_generate_with_prefill_node(pair, model, tokenizer, hf_model):
     dn, pn = pair
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}]))
     before = pn.metrics()["duet_prefill_computed_tokens_total"]
-    tokens, last = tokens_of(dn.stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=greedy(16))))
+    tokens, last = drain(dn.stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=greedy(16))))
     assert tokens == hf_greedy(hf_model, ids, 16)
     assert pn.metrics()["duet_prefill_computed_tokens_total"] > before  # the prefill node did the work
 
 
 def test_decode_side_prefix_hit_sends_only_the_rest(pair, model):
     dn, pn = pair
-    base = _ids(70, 8)
+    base = random_ids(70, 8)
     three_calls(dn, pn, "hit-a", base)
-    prompt = base[:64] + _ids(30, 9)
+    prompt = base[:64] + random_ids(30, 9)
     tokens, r, sent, last = three_calls(dn, pn, "hit-b", prompt)
     assert r.prefix_matched_length == 64 and sent.tokens_sent == len(prompt) - 1 - 64
     assert tokens == engine_greedy(model, prompt, 8) and last.usage.cached_tokens == 64
@@ -98,7 +82,7 @@ def test_decode_side_prefix_hit_sends_only_the_rest(pair, model):
 
 def test_prefill_side_prefix_cache_is_not_recomputed(pair, model):
     dn, pn = pair
-    prompt = _ids(90, 10)
+    prompt = random_ids(90, 10)
     r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="warm", token_ids=prompt))
     first = pn.stub.RemoteSend(pb.RemoteSendRequest(
         request_id="warm", token_ids=prompt, kv_window_begin=0, kv_window_end=r.kv_window_end,
@@ -113,7 +97,7 @@ def test_prefill_side_prefix_cache_is_not_recomputed(pair, model):
 
 def test_bad_requests_leave_both_nodes_clean(pair):
     dn, pn = pair
-    prompt = _ids(40, 11)
+    prompt = random_ids(40, 11)
     r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="bad", token_ids=prompt))
     good = dict(request_id="bad", token_ids=prompt, kv_window_begin=0, kv_window_end=39,
                 kv_append_metadata=list(r.kv_append_metadata), decode_address=dn.address,
@@ -137,7 +121,7 @@ def test_bad_requests_leave_both_nodes_clean(pair):
     assert not wrong
     # The reservation survived the garbage and still works.
     pn.stub.RemoteSend(pb.RemoteSendRequest(**good))
-    tokens_of(dn.stub.StartGeneration(pb.StartGenerationRequest(request_id="bad", kv_window_begin=39,
+    drain(dn.stub.StartGeneration(pb.StartGenerationRequest(request_id="bad", kv_window_begin=39,
                                                                 sampling=greedy(2))))
     deadline = time.monotonic() + 10
     while not (no_leak(dn) and no_leak(pn)):
@@ -149,10 +133,10 @@ def test_wrong_fingerprint_is_failed_precondition(pair, tmp_path):
     dn, _ = pair
     transport = dn.proc.args[dn.proc.args.index("--transport") + 1]
     with prefill_node(tmp_path, *FP32, "--transport", transport, "--page-size", "8") as other:
-        r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="fp", token_ids=_ids(20, 12)))
+        r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="fp", token_ids=random_ids(20, 12)))
         with pytest.raises(grpc.RpcError) as info:
             other.stub.RemoteSend(pb.RemoteSendRequest(
-                request_id="fp", token_ids=_ids(20, 12), kv_window_begin=0, kv_window_end=19,
+                request_id="fp", token_ids=random_ids(20, 12), kv_window_begin=0, kv_window_end=19,
                 kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "page_size: decode node has 16, prefill node has 8" in info.value.details()
@@ -176,11 +160,11 @@ def test_churned_pool_transfer_gives_exact_tokens_and_metrics(small_pair, model)
     dn, pn = small_pair
     held = []
     for i in range(22):
-        dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=f"hold{i}", token_ids=_ids(33, 300 + i)))
+        dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=f"hold{i}", token_ids=random_ids(33, 300 + i)))
         held.append(f"hold{i}")
     for rid in held[::2]:
         dn.stub.Abort(pb.AbortRequest(request_id=rid))
-    prompt = _ids(193, 12)
+    prompt = random_ids(193, 12)
     before_d, before_p = dn.metrics(), pn.metrics()
     tokens, r, sent, _ = three_calls(dn, pn, "churned", prompt)
     segments = r.kv_append_metadata[0]

@@ -1,29 +1,24 @@
 """Paged KV, chunked prefill and batched decode all compute the same thing."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from common.engine.core import Engine
 from common.kv.page_allocator import OutOfPages
 from common.kv.segments import slot_range
+from tests.helpers import random_ids
 from tests.reference import engine_greedy
 from tests.test_model_vs_transformers import full_logits
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
-
-
 def test_scattered_pages_equal_contiguous(model):
-    ids = _ids(70, 0)
+    ids = random_ids(70, 0)
     assert torch.allclose(full_logits(model, ids, scatter=True), full_logits(model, ids, scatter=False), atol=1e-5)
 
 
 def test_chunked_prefill_equals_one_shot(model):
-    ids = _ids(100, 1)
+    ids = random_ids(100, 1)
     engine = Engine(model, num_pages=64, page_size=16)
     one = engine.new_sequence("one", ids, use_prefix_cache=False)
     engine.reserve(one, len(ids))
@@ -40,7 +35,7 @@ def test_chunked_prefill_equals_one_shot(model):
 
 
 def test_batched_decode_of_mixed_lengths_equals_each_alone(model):
-    prompts = [_ids(n, 10 + n) for n in (5, 17, 40, 64)]
+    prompts = [random_ids(n, 10 + n) for n in (5, 17, 40, 64)]
     alone = [engine_greedy(model, p, 6) for p in prompts]
     engine = Engine(model, num_pages=64, page_size=16)
     seqs = [engine.new_sequence(str(i), p, use_prefix_cache=False) for i, p in enumerate(prompts)]
@@ -58,7 +53,7 @@ def test_batched_decode_of_mixed_lengths_equals_each_alone(model):
 
 def test_reserve_is_all_or_nothing(model):
     engine = Engine(model, num_pages=4, page_size=16)
-    seq = engine.new_sequence("big", _ids(100, 2), use_prefix_cache=False)
+    seq = engine.new_sequence("big", random_ids(100, 2), use_prefix_cache=False)
     with pytest.raises(OutOfPages):
         engine.reserve(seq, 100)
     assert seq.pages == [] and engine.allocator.num_free == 4
@@ -66,7 +61,7 @@ def test_reserve_is_all_or_nothing(model):
 
 def test_release_caches_full_pages_for_the_next_request(model):
     engine = Engine(model, num_pages=16, page_size=16)
-    ids = _ids(40, 3)
+    ids = random_ids(40, 3)
     first = engine.new_sequence("a", ids)
     engine.reserve(first, 40)
     expected = engine.forward([(first, 40)])[0]
@@ -85,7 +80,7 @@ def test_release_caches_full_pages_for_the_next_request(model):
 
 def test_fork_shares_full_pages_and_copies_the_partial_one(model):
     engine = Engine(model, num_pages=16, page_size=16)
-    prompt = _ids(40, 5)
+    prompt = random_ids(40, 5)
     parent = engine.new_sequence("parent", prompt, use_prefix_cache=False)
     engine.reserve(parent, 40)
     engine.forward([(parent, 40)])
@@ -119,7 +114,7 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(model):
 
 def test_fork_at_a_page_boundary_copies_nothing_and_a_full_pool_changes_nothing(model):
     engine = Engine(model, num_pages=3, page_size=16)
-    parent = engine.new_sequence("parent", _ids(33, 6), use_prefix_cache=False)
+    parent = engine.new_sequence("parent", random_ids(33, 6), use_prefix_cache=False)
     engine.reserve(parent, 33)
     parent.num_computed = 32  # as if computed: forking only moves page references
     child = engine.fork(parent, "child")

@@ -3,7 +3,6 @@ its checksums and the answer stays exact; a write fence comes down as soon as it
 proven over (it restarted, or its process is gone from this host), not a quarantine later."""
 from __future__ import annotations
 
-import random
 import re
 import subprocess
 import time
@@ -15,14 +14,11 @@ from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import process_start_ticks, writer_identity
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
+from tests.helpers import drain, greedy, random_ids
 from tests.reference import FP32, engine_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
 QUARANTINE_S = "120"  # far longer than any test waits: pages that come back early came back on proof
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
 
 
 def _failures(d, reason: str) -> float:
@@ -58,10 +54,9 @@ def nodes(request, tmp_path_factory):
 
 def test_corrupted_kv_is_refused_and_the_answer_stays_exact(nodes, model):
     _, dn, pn = nodes
-    prompt = _ids(150, 1)
+    prompt = random_ids(150, 1)
     before = _failures(dn, "checksum")
-    tokens = [t for c in dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=pb.SamplingParams(
-        max_tokens=8, temperature=0.0, ignore_eos=True)), timeout=120) for t in c.token_ids]
+    tokens, _ = drain(dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(8)), timeout=120))
     assert tokens == engine_greedy(model, prompt, 8)
     assert _failures(dn, "checksum") == before + 1, "the corrupt transfer was not counted"
     assert _failures(pn, "data_loss") >= 1
@@ -70,7 +65,7 @@ def test_corrupted_kv_is_refused_and_the_answer_stays_exact(nodes, model):
 
 def test_remote_send_of_corrupt_kv_is_data_loss_and_the_reservation_waits_again(nodes):
     _, dn, pn = nodes
-    prompt = _ids(90, 2)
+    prompt = random_ids(90, 2)
     r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="corrupt", token_ids=prompt))
     with pytest.raises(grpc.RpcError) as info:
         pn.stub.RemoteSend(pb.RemoteSendRequest(
@@ -101,7 +96,7 @@ def handshake(nodes, model):
 
 def _begin_then_abort(dn, request_id: str, writer: pb.WriterIdentity) -> None:
     """A reservation whose writer began (BeginTransfer) and was never heard of again, aborted."""
-    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=request_id, token_ids=_ids(100, 3)))
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=request_id, token_ids=random_ids(100, 3)))
     dn.stub.BeginTransfer(pb.BeginTransferRequest(request_id=request_id, transfer_nonce=r.transfer_nonce,
                                                   kv_append_metadata=r.kv_append_metadata,
                                                   writer_incarnation=writer.incarnation))

@@ -23,7 +23,6 @@ where they should:
 """
 from __future__ import annotations
 
-import random
 import signal
 import socket
 import threading
@@ -37,6 +36,7 @@ import torch
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, free_port
+from tests.helpers import Background, drain, greedy, random_ids, status_of, wait_clean
 from tests.reference import FP32, engine_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
@@ -50,14 +50,6 @@ CLEAR = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.St
          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT}
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
-
-
-def greedy(n: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 _REFERENCE: dict[tuple, list[int]] = {}
@@ -75,25 +67,6 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
         finally:
             torch.set_num_threads(threads)
     return _REFERENCE[key]
-
-
-def drain(stream) -> tuple[list[int], pb.GenerationChunk | None]:
-    tokens, last = [], None
-    for chunk in stream:
-        tokens += chunk.token_ids
-        last = chunk
-    return tokens, last
-
-
-def code_of(call) -> grpc.StatusCode:
-    """The status of a unary call or of a fully drained stream."""
-    try:
-        result = call()
-        if not hasattr(result, "ListFields"):
-            list(result)
-        return grpc.StatusCode.OK
-    except grpc.RpcError as exc:
-        return exc.code()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,35 +201,6 @@ def c(cluster):
 # Checks
 
 
-def _leaks(d: Daemon) -> str | None:
-    m = d.metrics()
-    total, free, cached = m["duet_kv_pages_total"], m["duet_kv_pages_free"], m.get("duet_kv_pages_cached", 0)
-    reserved, quarantined = m.get("duet_kv_pages_reserved", 0), m.get("duet_kv_pages_quarantined", 0)
-    running = d.stub.GetLoad(pb.GetLoadRequest(), timeout=5).running_requests
-    if free + cached != total or reserved or running:
-        return (f"{d.address}: total={total} free={free} cached={cached} reserved={reserved} "
-                f"quarantined={quarantined} running={running}")
-    return None
-
-
-def wait_clean(*daemons: Daemon, timeout: float = LEASE_S + 15, hold: float = 0.3) -> None:
-    """Every page of every daemon is free or in its prefix cache, nothing is reserved or running,
-    and that stays so for `hold` seconds (a request between two stages is not mistaken for none)."""
-    deadline = time.monotonic() + timeout
-    clean_since = None
-    while True:
-        problems = [p for d in daemons if (p := _leaks(d)) is not None]
-        now = time.monotonic()
-        if problems:
-            clean_since = None
-        else:
-            clean_since = clean_since or now
-            if now - clean_since >= hold:
-                return
-        assert now < deadline, f"KV pages leaked or requests left running: {problems}"
-        time.sleep(0.1)
-
-
 def remote_send(c: Cluster, rid: str, prompt: list[int], r: pb.PrepareReceiveResponse, timeout=RPC_TIMEOUT_S):
     return c.pn.stub.RemoteSend(pb.RemoteSendRequest(
         request_id=rid, token_ids=prompt, kv_window_begin=r.prefix_matched_length, kv_window_end=r.kv_window_end,
@@ -274,28 +218,6 @@ def three_calls(c: Cluster, rid: str, prompt: list[int], n: int = 8) -> list[int
     return tokens
 
 
-class Background:
-    """Run a blocking gRPC call on a thread; `result()` is (status, response, seconds taken)."""
-
-    def __init__(self, call) -> None:
-        self._call, self._out = call, None
-        self.started = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            response, code = self._call(), grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            response, code = exc, exc.code()
-        self._out = (code, response, time.monotonic() - self.started)
-
-    def result(self, timeout: float = RPC_TIMEOUT_S + 5):
-        self._thread.join(timeout)
-        assert self._out is not None, f"the call did not return within {timeout}s"
-        return self._out
-
-
 def wait_until(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -305,7 +227,7 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 def start_code(c: Cluster, rid: str, r: pb.PrepareReceiveResponse) -> grpc.StatusCode:
     """The status of a StartGeneration for the reservation `r` made under `rid`."""
-    return code_of(lambda: c.dn.stub.StartGeneration(pb.StartGenerationRequest(
+    return status_of(lambda: c.dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id=rid, kv_window_begin=r.kv_window_end, sampling=greedy(2)), timeout=10))
 
 
@@ -320,7 +242,7 @@ def handing_off(c: Cluster) -> bool:
 
 def still_serves(c: Cluster, model, seed: int) -> None:
     """A fresh three-call flow gives the single-node tokens, then both nodes are clean."""
-    prompt = _ids(40, seed)
+    prompt = random_ids(40, seed)
     assert three_calls(c, f"sanity-{seed}-{time.monotonic_ns()}", prompt) == reference(model, prompt, 8)
     wait_clean(c.dn, c.pn)
 
@@ -330,11 +252,11 @@ def still_serves(c: Cluster, model, seed: int) -> None:
 
 
 def test_abort_after_prepare_receive(c, model):
-    prompt = _ids(64, 31)
+    prompt = random_ids(64, 31)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="ab-prep", token_ids=prompt), timeout=10)
     c.dn.stub.Abort(pb.AbortRequest(request_id="ab-prep"), timeout=10)
     wait_clean(c.dn, timeout=1)  # pages back at once
-    code = code_of(lambda: remote_send(c, "ab-prep", prompt, r))
+    code = status_of(lambda: remote_send(c, "ab-prep", prompt, r))
     assert code in {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED}, code
     assert start_code(c, "ab-prep", r) == grpc.StatusCode.NOT_FOUND
     wait_clean(c.dn, c.pn)
@@ -342,7 +264,7 @@ def test_abort_after_prepare_receive(c, model):
 
 
 def test_abort_during_remote_send(c, model):
-    prompt = _ids(300, 33)
+    prompt = random_ids(300, 33)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="ab-send", token_ids=prompt), timeout=10)
     send = Background(lambda: remote_send(c, "ab-send", prompt, r))
     wait_until(lambda: prefill_running(c), 10, "RemoteSend started")
@@ -356,7 +278,7 @@ def test_abort_during_remote_send(c, model):
 
 
 def test_abort_during_start_generation_stream(c, model):
-    prompt = _ids(40, 35)
+    prompt = random_ids(40, 35)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="ab-gen", token_ids=prompt), timeout=10)
     remote_send(c, "ab-gen", prompt, r)
     stream = c.dn.stub.StartGeneration(pb.StartGenerationRequest(
@@ -372,7 +294,7 @@ def test_abort_during_start_generation_stream(c, model):
 
 def test_abort_during_generate_hand_off(c, model):
     """Abort while Generate waits for the prefill node: the stream must end as aborted."""
-    prompt = _ids(150, 38)  # 64+ tokens: handed to the prefill node (5 steps of 32 there)
+    prompt = random_ids(150, 38)  # 64+ tokens: handed to the prefill node (5 steps of 32 there)
     c.wait_prefill_pool()
     stream = c.dn.stub.Generate(pb.GenerateRequest(request_id="abort-hand-off", token_ids=prompt,
                                                    sampling=greedy(8)), timeout=RPC_TIMEOUT_S)
@@ -392,7 +314,7 @@ def test_abort_during_generate_hand_off(c, model):
 
 
 def test_client_cancels_generate_while_streaming(c, model):
-    prompt = _ids(30, 36)  # shorter than --min-remote-prefill-tokens: prefilled locally
+    prompt = random_ids(30, 36)  # shorter than --min-remote-prefill-tokens: prefilled locally
     stream = c.dn.stub.Generate(pb.GenerateRequest(request_id="cancel-stream", token_ids=prompt,
                                                    sampling=greedy(100_000)), timeout=RPC_TIMEOUT_S)
     first = next(stream)
@@ -402,7 +324,7 @@ def test_client_cancels_generate_while_streaming(c, model):
 
 
 def test_client_cancels_generate_during_remote_prefill(c, model):
-    prompt = _ids(80, 37)  # handed to the prefill node (3 steps of 32 tokens there)
+    prompt = random_ids(80, 37)  # handed to the prefill node (3 steps of 32 tokens there)
     c.wait_prefill_pool()
     stream = c.dn.stub.Generate(pb.GenerateRequest(request_id="cancel-prefill", token_ids=prompt,
                                                    sampling=greedy(100_000)), timeout=RPC_TIMEOUT_S)
@@ -412,20 +334,20 @@ def test_client_cancels_generate_during_remote_prefill(c, model):
         wait_until(lambda: not prefill_running(c), 10, "the prefill node finished")
         wait_clean(c.dn, c.pn, timeout=5)
     finally:  # if the generation survived the cancel, stop it so later tests get the CPU back
-        code_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id="cancel-prefill"), timeout=10))
+        status_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id="cancel-prefill"), timeout=10))
 
 
 def test_refused_remote_send_writes_nothing(c, model):
     """A RemoteSend the decode node refuses (unknown request id, made-up nonce) aimed at the slots
     of finished request A, whose full pages sit in the prefix cache: A's KV must stay intact."""
-    prompt = _ids(40, 39)
+    prompt = random_ids(40, 39)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="victim", token_ids=prompt), timeout=10)
     remote_send(c, "victim", prompt, r)
     tokens, _ = drain(c.dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id="victim", kv_window_begin=r.kv_window_end, sampling=greedy(8)), timeout=RPC_TIMEOUT_S))
     assert tokens == reference(model, prompt, 8)  # its two full pages and its tail page are now cached
-    rogue = _ids(40, 40)
-    code = code_of(lambda: c.pn.stub.RemoteSend(pb.RemoteSendRequest(
+    rogue = random_ids(40, 40)
+    code = status_of(lambda: c.pn.stub.RemoteSend(pb.RemoteSendRequest(
         request_id="no-such-request", token_ids=rogue, kv_window_begin=0, kv_window_end=r.kv_window_end,
         kv_append_metadata=r.kv_append_metadata, decode_address=c.dn.address, transfer_nonce=12345),
         timeout=RPC_TIMEOUT_S))
@@ -446,12 +368,12 @@ def test_refused_remote_send_writes_nothing(c, model):
 def test_late_write_after_lease_expiry(c, model):
     """The writer's pages stay out of use after the lease ran out: pinned by the TCP receiver while
     the connection lasts, fenced from BeginTransfer to the writer's CompleteTransfer with NIXL."""
-    prompt = _ids(600, 42)
+    prompt = random_ids(600, 42)
     want = reference(model, prompt, 24)  # before the clock starts
     # R1: a 559-token window (35 of the 40 pages), pushed by the prefill node in 18 steps; the push
     # starts (and passes its BeginTransfer check) 0.8 s before the lease ends, so most of it lands
     # after the pages were reclaimed.
-    late_prompt = _ids(560, 41)
+    late_prompt = random_ids(560, 41)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="late", token_ids=late_prompt), timeout=10)
     time.sleep(max(0.0, r.lease_deadline_unix - 0.8 - time.time()))
     send = Background(lambda: remote_send(c, "late", late_prompt, r))
@@ -493,7 +415,7 @@ def test_late_write_after_lease_expiry(c, model):
 def test_abandoned_transfer_lifts_its_fence_at_once(c):
     """A writer that gave up (CompleteTransfer{abandoned}) frees the pages of its aborted
     reservation right away; a wrong nonce cannot. With TCP there is no fence to lift."""
-    prompt = _ids(100, 61)
+    prompt = random_ids(100, 61)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="abandoned", token_ids=prompt), timeout=10)
     c.dn.stub.BeginTransfer(pb.BeginTransferRequest(request_id="abandoned", transfer_nonce=r.transfer_nonce,
                                                     kv_append_metadata=r.kv_append_metadata), timeout=10)
@@ -502,7 +424,7 @@ def test_abandoned_transfer_lifts_its_fence_at_once(c):
     assert quarantined == (7 if c.transport == "nixl" else 0)  # the 99-position window's pages
 
     def abandon(nonce: int) -> grpc.StatusCode:
-        return code_of(lambda: c.dn.stub.CompleteTransfer(pb.CompleteTransferRequest(
+        return status_of(lambda: c.dn.stub.CompleteTransfer(pb.CompleteTransferRequest(
             request_id="abandoned", transfer_nonce=nonce, abandoned=True), timeout=10))
 
     assert abandon(r.transfer_nonce ^ 1) == grpc.StatusCode.NOT_FOUND
@@ -517,7 +439,7 @@ def test_abandoned_transfer_lifts_its_fence_at_once(c):
 
 
 def test_decode_restart_on_same_port(c, model):
-    prompt = _ids(40, 51)
+    prompt = random_ids(40, 51)
     assert three_calls(c, "before-restart", prompt) == reference(model, prompt, 8)  # handshake cached
     pn_pid, old_port = c.pn.proc.pid, c.dn.port
     c.restart_decode_same_port()
@@ -527,7 +449,7 @@ def test_decode_restart_on_same_port(c, model):
         rid = f"after-restart-{attempt}"
         r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=prompt), timeout=10)
         started = time.monotonic()
-        code = code_of(lambda: remote_send(c, rid, prompt, r, timeout=30))
+        code = status_of(lambda: remote_send(c, rid, prompt, r, timeout=30))
         outcomes.append((code, round(time.monotonic() - started, 2)))
         assert code == grpc.StatusCode.OK or code in CLEAR - {grpc.StatusCode.DEADLINE_EXCEEDED}, outcomes
         if code == grpc.StatusCode.OK:
@@ -535,11 +457,12 @@ def test_decode_restart_on_same_port(c, model):
                 request_id=rid, kv_window_begin=r.kv_window_end, sampling=greedy(8)), timeout=RPC_TIMEOUT_S))
             assert tokens == reference(model, prompt, 8)
             break
-        code_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10))
+        status_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10))
     else:
         pytest.fail(f"RemoteSend to the restarted decode node failed twice: {outcomes}")
     assert c.pn.proc.poll() is None and c.pn.proc.pid == pn_pid
-    wait_clean(c.dn, c.pn)
+    # The failed attempt's fence came down with its abandoned report, not after the quarantine.
+    wait_clean(c.dn, c.pn, timeout=LEASE_S + 3)
 
 
 def test_hung_decode_node_does_not_stall_other_transfers(c, model):
@@ -547,7 +470,7 @@ def test_hung_decode_node_does_not_stall_other_transfers(c, model):
     must not hold up RemoteSends to healthy decode nodes."""
     if c.transport != "tcp":
         pytest.skip("the handshake cache (prefill_node/decode_peers.py) is transport-independent: checked once")
-    prompt = _ids(40, 61)
+    prompt = random_ids(40, 61)
     with socket.create_server(("127.0.0.1", 0)) as hung:  # the kernel accepts, nobody ever answers
         stuck = Background(lambda: c.pn.stub.RemoteSend(pb.RemoteSendRequest(
             request_id="to-hung", token_ids=prompt, kv_window_begin=0, kv_window_end=39, kv_append_metadata=[1, 0, 39],
@@ -555,10 +478,10 @@ def test_hung_decode_node_does_not_stall_other_transfers(c, model):
         time.sleep(0.3)
         r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="beside-hung", token_ids=prompt), timeout=10)
         started = time.monotonic()
-        code = code_of(lambda: remote_send(c, "beside-hung", prompt, r))
+        code = status_of(lambda: remote_send(c, "beside-hung", prompt, r))
         took = time.monotonic() - started
         stuck_code, _, _ = stuck.result()
-    code_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id="beside-hung"), timeout=10))
+    status_of(lambda: c.dn.stub.Abort(pb.AbortRequest(request_id="beside-hung"), timeout=10))
     assert stuck_code in CLEAR, stuck_code
     assert code == grpc.StatusCode.OK and took < 3, f"RemoteSend to a healthy decode node: {code} after {took:.1f}s"
     still_serves(c, model, 62)
@@ -569,7 +492,7 @@ def test_hung_decode_node_does_not_stall_other_transfers(c, model):
 
 
 def test_decode_node_dies_during_remote_send(c, model):
-    prompt = _ids(400, 21)
+    prompt = random_ids(400, 21)
     spare = c.spawn_decode()  # the replacement (new port) starts while this one is killed
     try:
         r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="dn-dies", token_ids=prompt), timeout=10)
@@ -588,7 +511,7 @@ def test_decode_node_dies_during_remote_send(c, model):
         wait_clean(c.pn)  # the prefill side is released
         pn_pid = c.pn.proc.pid
         c.replace_decode(spare)
-        prompt = _ids(40, 22)
+        prompt = random_ids(40, 22)
         assert three_calls(c, "after-dn-dies", prompt) == reference(model, prompt, 8)
         assert c.pn.proc.pid == pn_pid
         wait_clean(c.dn, c.pn)
@@ -602,7 +525,7 @@ def test_decode_node_dies_during_remote_send(c, model):
 
 
 def test_prefill_node_dies_during_remote_send(c, model):
-    prompt = _ids(560, 11)
+    prompt = random_ids(560, 11)
     r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="pn-dies", token_ids=prompt), timeout=10)
     send = Background(lambda: remote_send(c, "pn-dies", prompt, r))
     wait_until(lambda: prefill_running(c), 10, "RemoteSend started")
@@ -612,12 +535,12 @@ def test_prefill_node_dies_during_remote_send(c, model):
     code, exc, took = send.result(timeout=10)
     assert code == grpc.StatusCode.UNAVAILABLE, (code, exc)
     start = pb.StartGenerationRequest(request_id="pn-dies", kv_window_begin=r.kv_window_end, sampling=greedy(2))
-    assert code_of(lambda: c.dn.stub.StartGeneration(start, timeout=10)) in {
+    assert status_of(lambda: c.dn.stub.StartGeneration(start, timeout=10)) in {
         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
     wait_clean(c.dn)  # the reservation expires and returns its pages
-    assert code_of(lambda: c.dn.stub.StartGeneration(start, timeout=10)) == grpc.StatusCode.NOT_FOUND
+    assert status_of(lambda: c.dn.stub.StartGeneration(start, timeout=10)) == grpc.StatusCode.NOT_FOUND
     # Generate would hand this prompt to the (dead) prefill node; it falls back to local prefill.
-    prompt = _ids(100, 12)
+    prompt = random_ids(100, 12)
     tokens, last = drain(c.dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(8)),
                                             timeout=RPC_TIMEOUT_S))
     assert tokens == reference(model, prompt, 8) and last.finish_reason == "length"

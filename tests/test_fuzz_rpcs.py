@@ -9,7 +9,6 @@ and message, no state change, the daemon keeps serving").
 from __future__ import annotations
 
 import itertools
-import random
 import time
 
 import grpc
@@ -22,7 +21,7 @@ from common.serving.fingerprint import fingerprint_of
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon, free_port
-from tests.helpers import wire_slots
+from tests.helpers import call_status, greedy, random_ids, wait_clean, wire_slots
 from tests.reference import FP32, engine_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,10 +38,6 @@ TIMEOUT_S = 30.0
 FUZZ = settings(max_examples=60, deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large, HealthCheck.filter_too_much])
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,13 +84,7 @@ def fingerprint(model) -> pb.CompatibilityFingerprint:
 
 def status(call) -> tuple[grpc.StatusCode, object]:
     """Run a unary call; the status must be a documented one."""
-    try:
-        result, code = call(), C.OK
-    except grpc.RpcError as exc:
-        result, code = exc, exc.code()
-        assert code in ALLOWED, f"undocumented status {code}: {exc.details()}"
-        assert exc.details(), f"{code} without a message"
-    return code, result
+    return call_status(call, ALLOWED)
 
 
 _counter = itertools.count()
@@ -141,31 +130,14 @@ def reserve(nodes: Nodes, rid: str, tokens: list[int], end: int | None = None) -
     return nodes.d.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=tokens, **kwargs), timeout=10)
 
 
-def _leaks(d: Daemon) -> str | None:
-    m = d.metrics()
-    total, free, cached = m["duet_kv_pages_total"], m["duet_kv_pages_free"], m.get("duet_kv_pages_cached", 0)
-    reserved = m.get("duet_kv_pages_reserved", 0)
-    running = d.stub.GetLoad(pb.GetLoadRequest(), timeout=5).running_requests
-    if free + cached != total or reserved or running:
-        return f"{d.address}: total={total} free={free} cached={cached} reserved={reserved} running={running}"
-    return None
-
-
-def wait_clean(nodes: Nodes, timeout: float = LEASE_S + 10) -> None:
-    deadline = time.monotonic() + timeout
-    while (problems := [p for d in (nodes.dn, nodes.pn) if (p := _leaks(d)) is not None]):
-        assert time.monotonic() < deadline, f"KV pages leaked or requests left running: {problems}"
-        time.sleep(0.1)
-
-
 def still_serving(nodes: Nodes) -> None:
     """Both daemons alive, nothing leaked, and a tiny generation completes."""
     nodes.alive()
-    wait_clean(nodes)
+    wait_clean(nodes.dn, nodes.pn)
     chunks = list(nodes.d.Generate(pb.GenerateRequest(token_ids=[1, 2, 3], sampling=pb.SamplingParams(
         max_tokens=2, ignore_eos=True)), timeout=20))
     assert chunks[-1].finish_reason == "length"
-    wait_clean(nodes)
+    wait_clean(nodes.dn, nodes.pn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,11 +224,14 @@ fingerprints = st.builds(
        end=st.one_of(st.none(), st.none(), st.integers(-45, 45), int64))
 @example(rid=None, tokens=[5] * (CONTEXT - 1), end=None)  # fits the context, not the pool
 def test_prepare_receive(nodes, rid, tokens, end):
-    rid = fresh_id("pr") if rid is None else rid
+    record("PrepareReceive", _prepare_receive(nodes, fresh_id("pr") if rid is None else rid, tokens, end))
+
+
+def _prepare_receive(nodes: Nodes, rid: str, tokens: list[int], end: int | None) -> grpc.StatusCode:
+    """One PrepareReceive, its answer checked and its reservation aborted; its status."""
     kwargs = {} if end is None else {"kv_window_end": end}
     code, r = status(lambda: nodes.d.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=tokens,
                                                                               **kwargs), timeout=10))
-    record("PrepareReceive", code)
     try:
         if code == C.OK:
             n = len(tokens)
@@ -278,9 +253,32 @@ def test_prepare_receive(nodes, rid, tokens, end):
         if code == C.OK:
             abort(nodes, rid)
     nodes.alive()
+    return code
 
 
 def test_prepare_receive_leaves_nothing_behind(nodes):
+    """Reservations of its own, good ones and refused ones (each aborted), and one left to its lease:
+    afterwards every page is back and the node still serves."""
+    cases = [  # (request id, prompt, kv_window_end, the status)
+        (None, random_ids(40, 11), None, C.OK),
+        (None, random_ids(40, 12), 5, C.OK),
+        (None, random_ids(40, 13), -3, C.OK),
+        (None, random_ids(40, 14), 0, C.OK),
+        (None, [], None, C.INVALID_ARGUMENT),
+        (None, [5, VOCAB], None, C.INVALID_ARGUMENT),
+        (None, [-1, 5], None, C.INVALID_ARGUMENT),
+        (None, [5, 6, 7], 3, C.INVALID_ARGUMENT),
+        (None, [5, 6, 7], -4, C.INVALID_ARGUMENT),
+        (None, [5, 6, 7], 2**62, C.INVALID_ARGUMENT),
+        (None, [5] * (CONTEXT - 1), None, C.RESOURCE_EXHAUSTED),  # fits the context, not the pool
+        (None, [7] * (CONTEXT + 1000), None, C.INVALID_ARGUMENT),
+        ("", random_ids(20, 15), None, C.INVALID_ARGUMENT),
+        ("x" * 257, random_ids(20, 16), None, C.INVALID_ARGUMENT),
+    ]
+    codes = [_prepare_receive(nodes, fresh_id("pr-clean") if rid is None else rid, tokens, end)
+             for rid, tokens, end, _ in cases]
+    assert codes == [want for *_, want in cases]
+    reserve(nodes, fresh_id("pr-lease"), random_ids(60, 17))  # never aborted: its lease returns the pages
     still_serving(nodes)
 
 
@@ -315,6 +313,46 @@ def test_start_generation(nodes, data, sampling):
 
 
 def test_start_generation_leaves_nothing_behind(nodes):
+    """StartGeneration on reservations of its own: read to the end, cancelled after a chunk, with
+    parallel samples, and refused (unknown id, wrong window, transfer not done, wild sampling).
+    Once they are aborted, every page is back and the node still serves."""
+    own: list[str] = []
+
+    def reserved(end: int | None = 0) -> tuple[str, pb.PrepareReceiveResponse]:
+        own.append(fresh_id("sg-clean"))
+        return own[-1], reserve(nodes, own[-1], random_ids(20, 20 + len(own)), end)  # no prefix in common
+
+    def start(rid: str, begin: int, sampling: pb.SamplingParams = greedy(3), max_chunks: int = 100):
+        return stream_status(nodes.d.StartGeneration(pb.StartGenerationRequest(
+            request_id=rid, kv_window_begin=begin, sampling=sampling), timeout=TIMEOUT_S), max_chunks)[0]
+
+    def complete(rid: str, made: pb.PrepareReceiveResponse) -> None:
+        code, _ = status(lambda: nodes.d.CompleteTransfer(pb.CompleteTransferRequest(
+            request_id=rid, transfer_nonce=made.transfer_nonce), timeout=10))
+        assert code == C.OK
+
+    try:
+        rid, _ = reserved()
+        assert start(rid, 0) == C.OK  # the whole prompt computed here, read to the end
+        rid, _ = reserved()
+        assert start(rid, 0, greedy(1000), max_chunks=1) == C.OK  # cancelled after its first chunk
+        rid, _ = reserved()
+        assert start(rid, 0, pb.SamplingParams(max_tokens=1000, temperature=1.0, n=3, seed=1), max_chunks=2) == C.OK
+        rid, made = reserved(None)  # a window of pages to transfer into, never written
+        assert start(rid, made.kv_window_end) == C.FAILED_PRECONDITION
+        assert start(rid, 3) == C.INVALID_ARGUMENT
+        complete(rid, made)
+        assert start(rid, made.kv_window_end, greedy(1000), max_chunks=1) == C.OK
+        assert start(fresh_id("sg-unknown"), 0) == C.NOT_FOUND
+        assert start("", 0) != C.OK
+        for wild in (pb.SamplingParams(max_tokens=-1), pb.SamplingParams(temperature=float("nan")),
+                     pb.SamplingParams(top_p=-1.0), pb.SamplingParams(n=17), pb.SamplingParams(top_k=-5),
+                     pb.SamplingParams(guided=pb.GuidedDecoding(regex="("))):
+            rid, made = reserved(None)
+            complete(rid, made)
+            assert start(rid, made.kv_window_end, wild) != C.OK, wild  # refused: the reservation stays
+    finally:
+        abort(nodes, *own)
     still_serving(nodes)
 
 
@@ -359,6 +397,38 @@ def test_generate(nodes, data, sampling):
 
 
 def test_generate_leaves_nothing_behind(nodes):
+    """Generate calls of its own: prefilled here or by the prefill node, read to the end, cancelled
+    after a chunk, cut by their deadline mid-prefill, and refused. Afterwards every page of both
+    nodes is back and they still serve."""
+    own: list[str] = []
+
+    def generate(sampling: pb.SamplingParams = greedy(3), max_chunks: int = 100, timeout: float = TIMEOUT_S,
+                 **kwargs) -> grpc.StatusCode:
+        own.append(fresh_id("gen-clean"))
+        return stream_status(nodes.d.Generate(pb.GenerateRequest(request_id=own[-1], sampling=sampling, **kwargs),
+                                              timeout=timeout), max_chunks)[0]
+
+    long = random_ids(40, 32)  # 32+ tokens: handed to the prefill node
+    try:
+        assert generate(token_ids=random_ids(10, 31)) == C.OK
+        assert generate(token_ids=long) == C.OK
+        assert generate(prompt="Hello") == C.OK
+        assert generate(messages=[pb.ChatMessage(role="user", content="Hi")]) == C.OK
+        assert generate(greedy(1000), max_chunks=1, token_ids=random_ids(10, 33)) == C.OK  # cancelled
+        assert generate(greedy(1000), max_chunks=1, token_ids=random_ids(48, 34)) == C.OK  # cancelled
+        assert generate(pb.SamplingParams(max_tokens=1000, temperature=1.0, n=3, seed=2), max_chunks=2,
+                        token_ids=long) == C.OK
+        assert generate(timeout=0.2, token_ids=random_ids(600, 35)) == C.DEADLINE_EXCEEDED  # mid-prefill
+        for bad in (dict(token_ids=[]), dict(token_ids=[5, VOCAB]), dict(token_ids=[7] * (CONTEXT + 1000)),
+                    dict(prompt="x" * 1_000_001), dict(prompt="Hi", token_ids=[5, 6]),
+                    dict(token_ids=long, sampling=pb.SamplingParams(max_tokens=-1)),
+                    dict(token_ids=long, sampling=pb.SamplingParams(n=17)),
+                    dict(token_ids=long, sampling=pb.SamplingParams(guided=pb.GuidedDecoding(json_schema="{"))),
+                    dict(messages=[pb.ChatMessage(role="user", content="Hi")],
+                         tools=[pb.FunctionTool(name="f", parameters="[" * 100_000)])):
+            assert generate(**bad) != C.OK, bad
+    finally:
+        abort(nodes, *own)
     still_serving(nodes)
 
 
@@ -388,7 +458,7 @@ def test_complete_transfer(nodes, other, nonce, live):
     own = fresh_id("ct")
     rid = own if other is None else other
     try:
-        made = reserve(nodes, own, _ids(20, 1)) if live else None
+        made = reserve(nodes, own, random_ids(20, 1)) if live else None
         sent = made.transfer_nonce if (made is not None and nonce is None) else (nonce or 0)
         code, _ = status(lambda: nodes.d.CompleteTransfer(pb.CompleteTransferRequest(
             request_id=rid, transfer_nonce=sent), timeout=10))
@@ -409,7 +479,7 @@ def test_begin_transfer(nodes, data, other, nonce, live):
     own = fresh_id("bt")
     rid = own if other is None else other
     try:
-        made = reserve(nodes, own, _ids(40, 2)) if live else None
+        made = reserve(nodes, own, random_ids(40, 2)) if live else None
         right = list(made.kv_append_metadata) if made else [1, 0, 39]
         md = data.draw(st.one_of(st.just(right), metadata_lists, st.just(right + [7]),
                                  st.just([1, right[1] + 1, right[2]] if len(right) > 2 else [1, 1, 39])), label="metadata")
@@ -438,7 +508,7 @@ def test_begin_transfer_truncated_metadata(nodes, keep):
     """The reservation's own metadata cut short (the run count alone, or a start without its
     length) is INVALID_ARGUMENT, whatever runs of slots the pool handed out."""
     own = fresh_id("bt-short")
-    made = reserve(nodes, own, _ids(40, 3))
+    made = reserve(nodes, own, random_ids(40, 3))
     try:
         metadata = list(made.kv_append_metadata)[:keep]
         code, _ = status(lambda: nodes.d.BeginTransfer(pb.BeginTransferRequest(
@@ -533,6 +603,38 @@ def _remote_send(nodes, data, own, prompt):
 
 
 def test_remote_send_leaves_nothing_behind(nodes):
+    """RemoteSend calls of its own into reservations of its own: good ones (then generated from, or
+    aborted) and ones with a wrong field each. Once the reservations are aborted, every page of both
+    nodes is back and they still serve."""
+    own: list[str] = []
+
+    def send(reserve_first: bool = True, n: int = 40, timeout: float = TIMEOUT_S,
+             **wrong) -> tuple[grpc.StatusCode, str, pb.PrepareReceiveResponse | None]:
+        own.append(fresh_id("rs-clean"))
+        prompt = random_ids(n, 600 + len(own))  # no prefix in common with another test
+        made = reserve(nodes, own[-1], prompt) if reserve_first else None
+        right = dict(request_id=own[-1], token_ids=prompt, kv_window_begin=made.prefix_matched_length if made else 0,
+                     kv_window_end=made.kv_window_end if made else n - 1,
+                     kv_append_metadata=made.kv_append_metadata if made else [1, 0, n - 1],
+                     decode_address=nodes.dn.address, transfer_nonce=made.transfer_nonce if made else 1)
+        code, _ = status(lambda: nodes.p.RemoteSend(pb.RemoteSendRequest(**{**right, **wrong}), timeout=timeout))
+        return code, own[-1], made
+
+    try:
+        code, rid, made = send()
+        assert code == C.OK
+        assert stream_status(nodes.d.StartGeneration(pb.StartGenerationRequest(
+            request_id=rid, kv_window_begin=made.kv_window_end, sampling=greedy(3)), timeout=TIMEOUT_S))[0] == C.OK
+        assert send()[0] == C.OK  # sent, then aborted unused
+        assert send(reserve_first=False)[0] != C.OK
+        assert send(n=1000, timeout=0.2)[0] == C.DEADLINE_EXCEEDED  # cut mid-prefill
+        for wrong in (dict(transfer_nonce=12345), dict(request_id=fresh_id("rs-other")), dict(kv_window_end=20),
+                      dict(kv_window_begin=-1), dict(kv_append_metadata=[1, 1, 39]), dict(kv_append_metadata=[]),
+                      dict(token_ids=[5, VOCAB]), dict(decode_address="127.0.0.1:1"),
+                      dict(decode_address=nodes.pn.address), dict(decode_address="nohost")):
+            assert send(**wrong)[0] != C.OK, wrong
+    finally:
+        abort(nodes, *own)
     still_serving(nodes)
 
 
@@ -551,22 +653,22 @@ def _reference(model, prompt, n):
 
 def test_correct_tokens_afterwards(nodes, model):
     still_serving(nodes)
-    greedy = pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    sampling = greedy(8)
     for n, seed in ((10, 1), (50, 2)):  # Generate: local prefill, then handed to the prefill node
-        prompt = _ids(n, seed)
-        tokens = [t for c in nodes.d.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy), timeout=60)
+        prompt = random_ids(n, seed)
+        tokens = [t for c in nodes.d.Generate(pb.GenerateRequest(token_ids=prompt, sampling=sampling), timeout=60)
                   for t in c.token_ids]
         assert tokens == _reference(model, prompt, 8)
-    prompt = _ids(40, 3)
+    prompt = random_ids(40, 3)
     r = reserve(nodes, "final", prompt)
     nodes.p.RemoteSend(pb.RemoteSendRequest(
         request_id="final", token_ids=prompt, kv_window_begin=r.prefix_matched_length, kv_window_end=r.kv_window_end,
         kv_append_metadata=r.kv_append_metadata, decode_address=nodes.dn.address, transfer_nonce=r.transfer_nonce),
         timeout=60)
     tokens = [t for c in nodes.d.StartGeneration(pb.StartGenerationRequest(
-        request_id="final", kv_window_begin=r.kv_window_end, sampling=greedy), timeout=60) for t in c.token_ids]
+        request_id="final", kv_window_begin=r.kv_window_end, sampling=sampling), timeout=60) for t in c.token_ids]
     assert tokens == _reference(model, prompt, 8)
-    wait_clean(nodes)
+    wait_clean(nodes.dn, nodes.pn)
 
 
 def test_tiny_temperature_does_not_stop_the_decode_loop(nodes):

@@ -14,8 +14,9 @@ import pytest
 from common.kv.block_hashes import block_hashes
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node, router
+from tests.helpers import random_ids
 from tests.reference import engine_greedy
-from tests.test_router import _ids, wait_for
+from tests.test_router import wait_for
 
 PS = 16
 NODE_FLAGS = ("--dtype", "float32", "--page-size", str(PS), "--kv-pages", "512")
@@ -57,7 +58,7 @@ def test_watch_opens_with_a_snapshot_then_streams_the_blocks_a_request_leaves(no
     watch = d1.stub.WatchKvEvents(pb.WatchKvEventsRequest(), timeout=60)
     snapshot = next(watch)
     assert snapshot.snapshot and snapshot.block_size == PS and snapshot.incarnation
-    prompt = _ids(70, 1)
+    prompt = random_ids(70, 1)
     threading.Thread(target=ask, args=(d1.stub, prompt), daemon=True).start()
     stored: set[int] = set()
     sequence = snapshot.sequence
@@ -76,7 +77,7 @@ def test_watch_opens_with_a_snapshot_then_streams_the_blocks_a_request_leaves(no
 
 def test_a_watch_resumes_where_it_left_off_and_refuses_bad_resume_points(nodes):
     _, _, d1, _, _, _ = nodes
-    ask(d1.stub, _ids(40, 2))
+    ask(d1.stub, random_ids(40, 2))
     (snapshot,) = first_events(d1.stub, pb.WatchKvEventsRequest(), 1)
     assert snapshot.sequence >= 1
     # One change back: replayed, not a snapshot.
@@ -98,12 +99,12 @@ def test_a_watch_resumes_where_it_left_off_and_refuses_bad_resume_points(nodes):
 
 def test_conversation_turns_follow_their_cache_and_the_prefill_node_reports_its_own(nodes, model):
     _, rt, d1, d2, pf, _ = nodes
-    history = _ids(200, 3)
+    history = random_ids(200, 3)
     tokens, usage = ask(rt.stub, history)
     assert tokens == engine_greedy(model, history, 4)
     hits = [d.metrics()["duet_prefix_cache_hit_tokens_total"] for d in (d1, d2)]
     for turn in range(4):  # each turn: the history so far, the answer, a new question
-        history = history + tokens + _ids(20, 10 + turn)
+        history = history + tokens + random_ids(20, 10 + turn)
         tokens, usage = ask(rt.stub, history)
         assert usage.cached_tokens >= len(history) - 20 - len(tokens) - PS
     gained = [d.metrics()["duet_prefix_cache_hit_tokens_total"] - h for d, h in zip((d1, d2), hits)]
@@ -113,13 +114,13 @@ def test_conversation_turns_follow_their_cache_and_the_prefill_node_reports_its_
     assert pf.metrics()["duet_prefix_cache_blocks"] == len(snapshot.stored_blocks)
     before = pf.metrics()["duet_prefix_cache_hit_tokens_total"]
     other = [d for d, g in zip((d1, d2), gained) if g == 0][0]
-    ask(other.stub, history[:200] + _ids(50, 99))  # the other decode node hands a known prefix over
+    ask(other.stub, history[:200] + random_ids(50, 99))  # the other decode node hands a known prefix over
     assert pf.metrics()["duet_prefix_cache_hit_tokens_total"] - before >= 192
 
 
 def test_a_restarted_decode_node_is_resynced_and_no_request_fails(nodes, model):
     tmp, rt, d1, d2, _, flags = nodes
-    prompts = [_ids(120, 40 + i) for i in range(6)]
+    prompts = [random_ids(120, 40 + i) for i in range(6)]
     expected = [engine_greedy(model, p, 4) for p in prompts]
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(ask, rt.stub, p) for p in prompts]
@@ -129,7 +130,7 @@ def test_a_restarted_decode_node_is_resynced_and_no_request_fails(nodes, model):
     assert results == expected
     with decode_node(tmp, *flags, port=d2.port) as again:
         wait_for(lambda: rt.metrics().get("duet_router_healthy_decode_nodes") == 2)
-        ask(again.stub, _ids(64, 77))
+        ask(again.stub, random_ids(64, 77))
         # The router's index agrees with what both nodes hold, the restarted one included.
         wait_for(lambda: rt.metrics()["duet_router_kv_index_blocks"] ==
                  d1.metrics()["duet_prefix_cache_blocks"] + again.metrics()["duet_prefix_cache_blocks"])

@@ -20,6 +20,7 @@ from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint
 from common.openai_http.server import OpenAIFront, _cancel_when_client_leaves
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, free_port, prefill_node, router
+from tests.helpers import greedy
 from tests.reference import FP32, hf_greedy
 from tests.test_tls import certs  # noqa: F401 (the fixture: a CA, node and client certificates, a rogue CA)
 
@@ -64,8 +65,7 @@ def grpc_generate(stub, request: pb.GenerateRequest) -> tuple[str, pb.Usage]:
     return "".join(c.text for c in chunks), chunks[-1].usage
 
 
-def greedy() -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+GREEDY = greedy(MAX_TOKENS, ignore_eos=False)  # EOS may end it, as it may the OpenAI requests compared with it
 
 
 def test_request_mapping():
@@ -130,7 +130,7 @@ def test_completion_equals_grpc_and_transformers(pair, model_name, hf_model, tok
     assert r.object == "text_completion" and len(r.choices) == 1
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].text == tokenizer.decode(hf_greedy(hf_model, prompt_ids, MAX_TOKENS))
-    text, usage = grpc_generate(dn.stub, pb.GenerateRequest(prompt=FRESH_PROMPT, sampling=greedy()))
+    text, usage = grpc_generate(dn.stub, pb.GenerateRequest(prompt=FRESH_PROMPT, sampling=GREEDY))
     assert r.choices[0].text == text
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), MAX_TOKENS)
     assert r.usage.total_tokens == len(prompt_ids) + MAX_TOKENS
@@ -143,7 +143,7 @@ def test_completion_equals_grpc_and_transformers(pair, model_name, hf_model, tok
 
 def test_streamed_completion_concatenates_and_ends_with_usage(pair, model_name, tokenizer):
     dn, _, front = pair
-    text, usage = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))
+    text, usage = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=GREEDY))
     events = list(front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                                   temperature=0, stream=True, stream_options={"include_usage": True}))
     *content, last = events
@@ -163,7 +163,7 @@ def test_chat_completion_plain_and_streamed(pair, model_name, hf_model, tokenize
     message = r.choices[0].message
     assert message.role == "assistant"
     assert message.content == tokenizer.decode(hf_greedy(hf_model, prompt_ids, MAX_TOKENS))
-    request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=greedy())
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=GREEDY)
     assert message.content == grpc_generate(dn.stub, request)[0]
     assert r.usage.prompt_tokens == len(prompt_ids) and r.choices[0].finish_reason == "length"
 
@@ -198,7 +198,7 @@ def test_bad_requests_are_400_and_the_daemon_keeps_serving(pair, model_name, tok
     assert set(error) == {"message", "type", "param", "code"} and "not valid JSON" in error["message"]
 
     r = front.client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+    assert r.choices[0].text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=GREEDY))[0]
 
 
 def test_raw_server_sent_events(pair, model_name):
@@ -216,7 +216,7 @@ def test_raw_server_sent_events(pair, model_name):
     payloads = [json.loads(e[len("data: "):]) for e in events]
     assert {p["object"] for p in payloads} == {"text_completion"}
     text = "".join(p["choices"][0]["text"] for p in payloads)
-    assert text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+    assert text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=GREEDY))[0]
 
 
 def test_client_disconnect_cancels_the_request(pair, model_name):
@@ -301,10 +301,10 @@ def test_router_serves_the_same_api(pair, tmp_path, model_name):
         client = Front(port).client
         assert [m.id for m in client.models.list().data] == [model_name]
         r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-        assert r.choices[0].text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+        assert r.choices[0].text == grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=GREEDY))[0]
         streamed = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=MAX_TOKENS,
                                                   temperature=0, stream=True)
-        request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=greedy())
+        request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=GREEDY)
         assert "".join(e.choices[0].delta.content or "" for e in streamed) == grpc_generate(dn.stub, request)[0]
         # Prompt logprobs: the router sends such a request to the decode node's Generate (computed there).
         scored = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
@@ -329,7 +329,7 @@ def test_https_with_mutual_tls(certs, tmp_path, model_name):  # noqa: F811
 
         streamed = client(certs["client"]).completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                                               temperature=0, stream=True)
-        text = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=greedy()))[0]
+        text = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=GREEDY))[0]
         assert "".join(e.choices[0].text for e in streamed) == text
         for refused in (client(certs["ca_only"]), client(certs["rogue"]), Front(port).client):
             with pytest.raises(openai.APIConnectionError):

@@ -7,8 +7,9 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
+from tests.helpers import random_ids
 from tests.reference import FP32, hf_greedy
-from tests.test_disaggregated import _ids, no_leak
+from tests.test_disaggregated import no_leak
 
 PAGE_SIZE = 16
 MAX_TOKENS = 6
@@ -51,7 +52,7 @@ def samples_of(stream) -> tuple[dict[int, list[int]], dict[int, str], pb.Generat
 
 def test_greedy_samples_of_a_handed_off_prompt_each_equal_transformers(pair, hf_model):
     dn, pn = pair
-    prompt = _ids(37, 21)  # the samples share two full pages and copy the partial third
+    prompt = random_ids(37, 21)  # the samples share two full pages and copy the partial third
     r, sent = hand_off(dn, pn, "n3-greedy", prompt)
     assert r.prefix_matched_length == 0 and sent.tokens_sent == 36
     tokens, reasons, last = samples_of(dn.stub.StartGeneration(pb.StartGenerationRequest(
@@ -64,7 +65,7 @@ def test_greedy_samples_of_a_handed_off_prompt_each_equal_transformers(pair, hf_
 
 def test_seeded_sample_i_equals_an_n1_request_with_seed_plus_i(pair):
     dn, _ = pair
-    prompt = _ids(29, 22)
+    prompt = random_ids(29, 22)
 
     def sampling(n: int, seed: int) -> pb.SamplingParams:
         return pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=seed, ignore_eos=True, n=n)
@@ -81,7 +82,7 @@ def test_seeded_sample_i_equals_an_n1_request_with_seed_plus_i(pair):
 def test_aborting_samples_mid_stream_frees_every_page(pair):
     dn, _ = pair
     stream = dn.stub.Generate(pb.GenerateRequest(
-        request_id="n3-abort", token_ids=_ids(45, 23),
+        request_id="n3-abort", token_ids=random_ids(45, 23),
         sampling=pb.SamplingParams(max_tokens=10_000, temperature=1.0, ignore_eos=True, n=3)), timeout=120)
     seen: set[int] = set()
     reasons: dict[int, str] = {}
@@ -99,14 +100,14 @@ def test_aborting_samples_mid_stream_frees_every_page(pair):
 
 def test_prompt_extending_a_finished_sequence_reuses_its_tail_page(pair, hf_model):
     dn, pn = pair
-    first = _ids(37, 24)
+    first = random_ids(37, 24)
     r, _ = hand_off(dn, pn, "tail-a", first)
     out, _, _ = samples_of(dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id="tail-a", kv_window_begin=r.kv_window_end,
         sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True)), timeout=120))
     # The decode node computed 37 + 3 positions: two full pages and a tail page of 8. The prefill
     # node computed 36: two full pages and a tail of 4.
-    prompt = first + out[0][:3] + _ids(6, 25)
+    prompt = first + out[0][:3] + random_ids(6, 25)
     r, sent = hand_off(dn, pn, "tail-b", prompt)
     assert r.prefix_matched_length == 40 and sent.tokens_sent == len(prompt) - 1 - 40
     assert sent.tokens_computed == len(prompt) - 1 - 36

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,11 +10,8 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node, router
+from tests.helpers import random_ids
 from tests.reference import FP32, engine_greedy
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
 
 
 def generate(stub, prompt: list[int], n: int = 6) -> list[int]:
@@ -44,7 +40,7 @@ def cluster(tmp_path_factory):
 def test_routed_generation_equals_single_node(cluster, model):
     rt, _, p1, p2, _ = cluster
     for n in (5, 40, 300):  # 5 tokens stays local (below the threshold)
-        prompt = _ids(n, n)
+        prompt = random_ids(n, n)
         assert generate(rt.stub, prompt) == engine_greedy(model, prompt, 6)
     computed = p1.metrics()["duet_prefill_computed_tokens_total"] + p2.metrics()["duet_prefill_computed_tokens_total"]
     assert computed == 39 + 299
@@ -55,7 +51,7 @@ def test_membership_file_changes_apply_while_running(cluster, model):
     members.write_text(json.dumps({"decode": [dn.address], "prefill": [p2.address]}))
     wait_for(lambda: rt.metrics().get("duet_router_healthy_prefill_nodes") == 1)
     before = p1.metrics()["duet_prefill_computed_tokens_total"]
-    prompt = _ids(100, 1)
+    prompt = random_ids(100, 1)
     assert generate(rt.stub, prompt) == engine_greedy(model, prompt, 6)
     assert p1.metrics()["duet_prefill_computed_tokens_total"] == before  # p1 is out
     members.write_text(json.dumps({"decode": [dn.address], "prefill": [p1.address, p2.address]}))
@@ -64,7 +60,7 @@ def test_membership_file_changes_apply_while_running(cluster, model):
 
 def test_prefill_node_killed_while_requests_run(cluster, model):
     rt, _, p1, _, _ = cluster
-    prompts = [_ids(400, 50 + i) for i in range(6)]
+    prompts = [random_ids(400, 50 + i) for i in range(6)]
     expected = [engine_greedy(model, p, 6) for p in prompts]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(generate, rt.stub, p) for p in prompts]

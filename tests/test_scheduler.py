@@ -1,7 +1,6 @@
 """The continuous-batching loop: same tokens as running each request alone, no page leaks."""
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -10,11 +9,8 @@ import torch
 from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Chunk, RequestHandle, Scheduler, Usage
+from tests.helpers import random_ids
 from tests.reference import engine_greedy
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
 
 
 def collect(handle: RequestHandle) -> tuple[list[int], str, Chunk]:
@@ -69,7 +65,7 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def test_staggered_requests_with_chunked_prefill_match_solo_runs(model, make_scheduler):
-    prompts = [_ids(n, n) for n in (50, 9, 33, 70)]
+    prompts = [random_ids(n, n) for n in (50, 9, 33, 70)]
     expected = [engine_greedy(model, p, 8) for p in prompts]
     s = make_scheduler(max_batch_tokens=24)  # forces prefill chunks mixed with decodes
     handles = []
@@ -84,7 +80,7 @@ def test_staggered_requests_with_chunked_prefill_match_solo_runs(model, make_sch
 
 
 def test_preemption_under_a_small_pool_keeps_outputs_exact(model, make_scheduler):
-    prompts = [_ids(30, 100 + i) for i in range(4)]
+    prompts = [random_ids(30, 100 + i) for i in range(4)]
     expected = [engine_greedy(model, p, 20, page_size=4) for p in prompts]
     s = make_scheduler(num_pages=30, page_size=4)  # 4 x 50 tokens need 52 pages
     handles = [s.submit(str(i), s.engine.new_sequence(str(i), p), SamplingParams(max_tokens=20, ignore_eos=True))
@@ -95,14 +91,14 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(model, make_scheduler
 
 def test_request_larger_than_the_pool_fails_fast(make_scheduler):
     s = make_scheduler(num_pages=4, page_size=16)
-    _, _, last = collect(s.submit("big", s.engine.new_sequence("big", _ids(100, 5)), GREEDY))
+    _, _, last = collect(s.submit("big", s.engine.new_sequence("big", random_ids(100, 5)), GREEDY))
     assert last.finish_reason == "error" and last.error_code == "RESOURCE_EXHAUSTED" and "KV pool" in last.error
     _assert_no_leak(s)
 
 
 def test_abort_frees_pages(make_scheduler):
     s = make_scheduler()
-    h = s.submit("a", s.engine.new_sequence("a", _ids(20, 6)), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    h = s.submit("a", s.engine.new_sequence("a", random_ids(20, 6)), SamplingParams(max_tokens=10_000, ignore_eos=True))
     assert h.next_chunk(timeout=60).finish_reason is None
     assert s.abort("a")
     assert collect(h)[2].finish_reason == "abort"
@@ -112,7 +108,7 @@ def test_abort_frees_pages(make_scheduler):
 
 def test_prefix_cache_hit_reported_in_usage(make_scheduler, model):
     s = make_scheduler()
-    prompt = _ids(40, 7)
+    prompt = random_ids(40, 7)
     first, _, _ = collect(s.submit("1", s.engine.new_sequence("1", prompt), GREEDY))
     seq = s.engine.new_sequence("2", prompt)
     second, _, last = collect(s.submit("2", seq, GREEDY))
@@ -136,7 +132,7 @@ def test_stop_strings_and_stop_tokens(make_scheduler, tokenizer):
 
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(make_scheduler, model):
     s = make_scheduler()
-    prompt = _ids(12, 8)
+    prompt = random_ids(12, 8)
     hot = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=1234, ignore_eos=True)
     a = collect(s.submit("a", s.engine.new_sequence("a", prompt), hot))[0]
     b = collect(s.submit("b", s.engine.new_sequence("b", prompt), hot))[0]
@@ -163,7 +159,7 @@ def test_sampling_validation(bad, message):
 
 
 def test_parallel_samples_prefill_once_and_each_equals_a_solo_run(model, make_scheduler):
-    prompt = _ids(40, 11)  # 2.5 pages: the samples share two and each copies the third
+    prompt = random_ids(40, 11)  # 2.5 pages: the samples share two and each copies the third
     want = engine_greedy(model, prompt, 8)
     s = make_scheduler()
     computed = []
@@ -182,7 +178,7 @@ def test_parallel_samples_prefill_once_and_each_equals_a_solo_run(model, make_sc
     (3, 2),  # no page for any copy: the samples start without KV and are recomputed in turn
 ])
 def test_parallel_samples_survive_a_pool_too_small_for_them(model, make_scheduler, num_pages, max_tokens):
-    prompt = _ids(10, 12)  # pages of 4: two full pages and a partial one
+    prompt = random_ids(10, 12)  # pages of 4: two full pages and a partial one
     want = engine_greedy(model, prompt, max_tokens, page_size=4)
     s = make_scheduler(num_pages=num_pages, page_size=4)
     h = s.submit("tight", s.engine.new_sequence("tight", prompt),
@@ -194,7 +190,7 @@ def test_parallel_samples_survive_a_pool_too_small_for_them(model, make_schedule
 
 def test_abort_ends_every_sample_and_frees_their_pages(make_scheduler):
     s = make_scheduler()
-    h = s.submit("a3", s.engine.new_sequence("a3", _ids(20, 13)),
+    h = s.submit("a3", s.engine.new_sequence("a3", random_ids(20, 13)),
                  SamplingParams(max_tokens=10_000, ignore_eos=True, n=3, temperature=1.0))
     seen: set[int] = set()
     while seen != {0, 1, 2}:
@@ -210,7 +206,7 @@ def test_abort_ends_every_sample_and_frees_their_pages(make_scheduler):
 def test_prompt_logprobs_over_chunks_and_a_cached_prefix_equal_transformers(make_scheduler, hf_model):
     """Prompt logprobs computed in 8-token chunks, although a cached prefix of the prompt exists,
     equal transformers' log-softmax at every position; max_tokens 0 then draws nothing."""
-    prompt = _ids(30, 7)
+    prompt = random_ids(30, 7)
     s = make_scheduler(page_size=4, max_batch_tokens=8)
     collect(s.submit("warm", s.engine.new_sequence("warm", prompt), SamplingParams(max_tokens=1)))
     seq = s.engine.new_sequence("p", prompt, use_prefix_cache=False)
@@ -230,7 +226,7 @@ def test_prompt_logprobs_over_chunks_and_a_cached_prefix_equal_transformers(make
 def test_drawn_token_logprobs_follow_the_tempered_distribution(make_scheduler, model):
     """Greedy logprobs are the raw log-softmax's; sampled ones (top_k cuts nothing from them) use
     the temperature; top_logprobs are the most likely tokens, most likely first."""
-    prompt = _ids(12, 3)
+    prompt = random_ids(12, 3)
     s = make_scheduler()
     for temperature in (0.0, 0.7):
         params = SamplingParams(max_tokens=4, temperature=temperature, top_k=5, seed=3, logprobs=True,

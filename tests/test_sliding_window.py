@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from common.model.llama import LlamaModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
+from tests.helpers import greedy, random_ids
 from tests.reference import FP32, hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -32,10 +32,6 @@ transformers = pytest.importorskip("transformers")
 WINDOW, PAGE, VOCAB, SINKS = 32, 16, 512, 4
 PROMPT = 100  # longer than the window: pages wholly before it must not be held
 WINDOW_PAGES = 1 + math.ceil(WINDOW / PAGE)  # the reference's cap on a windowed sequence's pages
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(3, VOCAB), k=n)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +94,7 @@ def test_window_read_from_config(mistral_dir):
 
 
 def test_chunked_prefill_and_decode_match_transformers(mistral_dir, hf):
-    ids = _ids(PROMPT + 40, 1)
+    ids = random_ids(PROMPT + 40, 1, low=3, high=VOCAB)
     with torch.no_grad():
         reference = hf(torch.tensor([ids])).logits[0]
         full = transformers.AutoModelForCausalLM.from_pretrained(
@@ -110,7 +106,7 @@ def test_chunked_prefill_and_decode_match_transformers(mistral_dir, hf):
 
 
 def test_attention_sinks_match_a_dense_masked_reference(mistral_dir, hf):
-    ids = _ids(PROMPT + 40, 2)
+    ids = random_ids(PROMPT + 40, 2, low=3, high=VOCAB)
     q, k = torch.arange(len(ids))[:, None], torch.arange(len(ids))[None, :]
     attended = (k <= q) & ((q - k < WINDOW) | (k < SINKS))
     mask = torch.zeros(attended.shape).masked_fill(~attended, torch.finfo(torch.float32).min)[None, None]
@@ -141,7 +137,7 @@ def test_decode_releases_pages_outside_the_window(mistral_dir, hf):
     scheduler = Scheduler(engine, load_tokenizer(mistral_dir), max_batch_tokens=24)
     scheduler.start()
     try:
-        prompt = _ids(PROMPT, 3)
+        prompt = random_ids(PROMPT, 3, low=3, high=VOCAB)
         handle = scheduler.submit("long", engine.new_sequence("long", prompt),
                                   SamplingParams(max_tokens=60, ignore_eos=True))
         tokens, chunk = [], None
@@ -164,7 +160,7 @@ def test_receive_begin_skips_to_the_window(mistral_dir):
     receive everything from its cached prefix on, cached sinks let it skip again."""
     model = LlamaModel(with_attention_sinks(load_checkpoint(mistral_dir), SINKS))
     engine = Engine(model, 32, PAGE)
-    prompt = _ids(PROMPT, 4)
+    prompt = random_ids(PROMPT, 4, low=3, high=VOCAB)
     cold = engine.new_sequence("cold", prompt)
     assert engine.receive_begin(cold, PROMPT - 1) == 0
     engine.release(cold, cache=False)
@@ -193,10 +189,6 @@ def pair(mistral_dir, tmp_path_factory):
         yield dn, pn
 
 
-def _greedy(n: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def _tokens(stream) -> list[int]:
     return [t for chunk in stream for t in chunk.token_ids]
 
@@ -208,7 +200,7 @@ def _no_leak(node) -> None:
 
 def test_daemons_receive_only_the_window(pair, hf):
     dn, pn = pair
-    prompt = _ids(PROMPT, 5)
+    prompt = random_ids(PROMPT, 5, low=3, high=VOCAB)
     r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="win", token_ids=prompt))
     assert (r.prefix_matched_length, r.kv_window_end) == (0, PROMPT - 1)
     assert r.kv_window_begin == PROMPT - WINDOW  # the first position the query at PROMPT - 1 attends
@@ -218,7 +210,7 @@ def test_daemons_receive_only_the_window(pair, hf):
         kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
     assert sent.tokens_sent == WINDOW - 1 and sent.tokens_computed == PROMPT - 1
     tokens = _tokens(dn.stub.StartGeneration(pb.StartGenerationRequest(
-        request_id="win", kv_window_begin=r.kv_window_end, sampling=_greedy(40))))
+        request_id="win", kv_window_begin=r.kv_window_end, sampling=greedy(40))))
     assert tokens == hf_greedy(hf, prompt, 40)
     _no_leak(dn)
     _no_leak(pn)
@@ -226,9 +218,9 @@ def test_daemons_receive_only_the_window(pair, hf):
 
 def test_daemons_one_call_generate_with_window(pair, hf):
     dn, pn = pair
-    prompt = _ids(PROMPT + 20, 6)
+    prompt = random_ids(PROMPT + 20, 6, low=3, high=VOCAB)
     computed = pn.metrics()["duet_prefill_computed_tokens_total"]
-    tokens = _tokens(dn.stub.Generate(pb.GenerateRequest(request_id="gen", token_ids=prompt, sampling=_greedy(30))))
+    tokens = _tokens(dn.stub.Generate(pb.GenerateRequest(request_id="gen", token_ids=prompt, sampling=greedy(30))))
     assert tokens == hf_greedy(hf, prompt, 30)
     assert pn.metrics()["duet_prefill_computed_tokens_total"] - computed == len(prompt) - 1  # prefilled remotely
     _no_leak(dn)

@@ -16,10 +16,11 @@ from common.model.checkpoint import load_checkpoint
 from common.model.llama import LlamaModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
+from tests.helpers import random_ids
 from tests.reference import engine_greedy, hf_greedy
 from tests.test_scheduler import _assert_no_leak, collect, collect_samples
 from tests.test_sliding_window import PAGE, WINDOW_PAGES, hf, mistral_dir  # noqa: F401 (fixtures)
-from tests.test_sliding_window import _ids as _window_ids
+from tests.test_sliding_window import VOCAB as WINDOW_VOCAB
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=5, ngram_min=1, ngram_max=3)
 
@@ -45,10 +46,6 @@ def _copy(tokenizer, seed: int) -> list[int]:
     names = random.Random(seed).sample(_NAMES, 3)
     code = "".join(f"def {n}(x, y):\n    return x * {i} + y\n\n" for i, n in enumerate(names))
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this exactly:\n" + code}]))
-
-
-def _random(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
 
 
 class _Counts:
@@ -87,7 +84,7 @@ def _run_all(s: Scheduler, prompts: list[list[int]], params: SamplingParams) -> 
 
 
 def test_greedy_batch_equals_engine_reference_and_drafts_are_accepted(model, make_pair, tokenizer):
-    prompts = [_copy(tokenizer, 1), _random(30, 2), _copy(tokenizer, 3)]
+    prompts = [_copy(tokenizer, 1), random_ids(30, 2), _copy(tokenizer, 3)]
     spec, _, counts = make_pair(page_size=4)  # drafts cross page boundaries; rejected pages come back
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     results = _run_all(spec, prompts, params)
@@ -101,7 +98,7 @@ def test_greedy_batch_equals_engine_reference_and_drafts_are_accepted(model, mak
 
 def test_seeded_sampling_and_logprobs_match_non_speculative(make_pair, tokenizer):
     spec, plain, counts = make_pair()
-    prompts = [_copy(tokenizer, 4), _random(20, 5)]
+    prompts = [_copy(tokenizer, 4), random_ids(20, 5)]
     params = SamplingParams(max_tokens=20, temperature=0.7, top_k=50, seed=123, ignore_eos=True,
                             logprobs=True, top_logprobs=2)
     want = _run_all(plain, prompts, params)
@@ -212,7 +209,7 @@ def test_abort_mid_generation_frees_pages(make_pair, tokenizer):
 
 def test_drafts_that_never_match_change_nothing(model, make_pair, monkeypatch):
     spec, _, counts = make_pair(page_size=4)
-    prompt = _random(20, 11)
+    prompt = random_ids(20, 11)
     want = engine_greedy(model, prompt, 12, page_size=4)
     # Drafts of a token the greedy continuation never holds: every one is rejected.
     never = next(t for t in range(100, 200) if t not in want)
@@ -262,7 +259,7 @@ def test_sliding_window_model_releases_pages_and_matches_transformers(mistral_di
     counts = _Counts(scheduler.speculator)
     scheduler.start()
     try:
-        prompt = _window_ids(20, 3) * 5  # recurring n-grams: drafts are proposed
+        prompt = random_ids(20, 3, low=3, high=WINDOW_VOCAB) * 5  # recurring n-grams: drafts are proposed
         (tokens, _, last), = _run_all(scheduler, [prompt], SamplingParams(max_tokens=60, ignore_eos=True))
     finally:
         scheduler.stop()

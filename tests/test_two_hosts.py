@@ -17,7 +17,6 @@ Skipped, with the reason, where network namespaces cannot be created (needs root
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.netns_hosts import (ROOT, UCX_TCP_PORT_RANGE, Host, NetnsDaemon, Network, die_with_parent,
                                  netns_unavailable_reason, start_daemons)
+from tests.helpers import drain, greedy, random_ids
 from tests.reference import FP32, engine_greedy
 
 LEASE_S = 5.0  # short, but long enough for a 400-token hand-off on a busy 2-core machine
@@ -45,10 +45,6 @@ ROUTER_PORTS = {"nixl": (50071, 9410), "tcp": (50072, 9411)}
 RPC_TIMEOUT_S = 60.0
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(100, 40000), k=n)
-
-
 _references: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
 
@@ -58,18 +54,6 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
     if key not in _references:
         _references[key] = engine_greedy(model, prompt, n)
     return _references[key]
-
-
-def greedy(n: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def tokens_of(stream) -> tuple[list[int], pb.GenerationChunk | None]:
-    tokens, last = [], None
-    for chunk in stream:
-        tokens += chunk.token_ids
-        last = chunk
-    return tokens, last
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -114,7 +98,7 @@ class Pair:
             sent = self.pn.stub.RemoteSend(send, timeout=RPC_TIMEOUT_S)
         start = pb.StartGenerationRequest(request_id=request_id, kv_window_begin=r.kv_window_end,
                                           sampling=greedy(max_tokens))
-        tokens, last = tokens_of(self.dn.stub.StartGeneration(start, timeout=RPC_TIMEOUT_S))
+        tokens, last = drain(self.dn.stub.StartGeneration(start, timeout=RPC_TIMEOUT_S))
         return tokens, r, sent, last
 
 
@@ -207,7 +191,7 @@ def test_nodes_listen_and_advertise_their_own_addresses(pair):
 
 @pytest.mark.parametrize("length", [1, 17, 100])
 def test_three_call_flow_across_hosts_equals_single_node(pair, model, length):
-    prompt = _ids(length, 1000 + length)
+    prompt = random_ids(length, 1000 + length)
     tokens, r, sent, last = pair.three_calls(f"len{length}", prompt)
     assert tokens == reference(model, prompt, 8)
     if length > 1:
@@ -217,7 +201,7 @@ def test_three_call_flow_across_hosts_equals_single_node(pair, model, length):
 
 def test_kv_crosses_the_link(pair, model):
     """The prefill host's veth carried at least the KV bytes RemoteSend reports."""
-    prompt = _ids(400, 77)
+    prompt = random_ids(400, 77)
     before = pair.prefill_host.sent_bytes()
     tokens, _, sent, _ = pair.three_calls("link", prompt, max_tokens=6)
     assert sent.tokens_sent == 399 and sent.bytes_sent > 0
@@ -230,9 +214,9 @@ def test_kv_crosses_the_link(pair, model):
 def test_one_call_generate_hands_off_to_the_prefill_host(pair, model):
     """The decode node's Generate dials the prefill node at its advertised address and gives it
     the decode node's own advertised address for the push."""
-    prompt = _ids(150, 5)
+    prompt = random_ids(150, 5)
     before = pair.pn.metrics()["duet_prefill_computed_tokens_total"]
-    tokens, last = tokens_of(pair.dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(8)),
+    tokens, last = drain(pair.dn.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(8)),
                                                    timeout=RPC_TIMEOUT_S))
     assert tokens == reference(model, prompt, 8)
     assert pair.pn.metrics()["duet_prefill_computed_tokens_total"] > before
@@ -242,8 +226,8 @@ def test_router_on_a_third_host_discovers_nodes_from_a_members_file(pair, model)
     rt = pair.extra["router"]
     wait_for(lambda: rt.metrics().get("duet_router_healthy_prefill_nodes") == 1, 20, "router sees the prefill node")
     before = pair.pn.metrics()["duet_prefill_computed_tokens_total"]
-    prompt = _ids(120, 6)
-    tokens, _ = tokens_of(rt.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(6)),
+    prompt = random_ids(120, 6)
+    tokens, _ = drain(rt.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=greedy(6)),
                                            timeout=RPC_TIMEOUT_S))
     assert tokens == reference(model, prompt, 6)
     assert pair.pn.metrics()["duet_prefill_computed_tokens_total"] - before == 119
@@ -267,7 +251,7 @@ def cut(pair, model):
     expiries = dn.metrics().get("duet_lease_expiries_total", 0)
     cfg = model.config
     token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V of one position
-    prompt = _ids(CUT_PROMPT_TOKENS, 4242)
+    prompt = random_ids(CUT_PROMPT_TOKENS, 4242)
     r, send = pair.prepare("cut", prompt)
     obs["kv_bytes"] = (r.kv_window_end - r.prefix_matched_length) * token_bytes
     in_ns_metrics = f"http://127.0.0.1:{pn.metrics_port}/metrics"
@@ -306,7 +290,7 @@ def cut(pair, model):
         obs["decode_clean_after_up"] = _wait_quietly(lambda: clean(dn.metrics()), 30)
         obs["decode_clean_after_up_s"] = time.monotonic() - up_at
         obs["prefill_clean_after_up"] = _wait_quietly(lambda: clean(pn.metrics()), 10)
-        after = _ids(200, 4343)
+        after = random_ids(200, 4343)
         obs["after"] = _first_success_after_link_up(pair, after, up_at, timeout=45)
         obs["after_expected"] = reference(model, after, 8)
         obs["both_clean_at_end"] = _wait_quietly(lambda: clean(dn.metrics()) and clean(pn.metrics()), 20)
