@@ -13,7 +13,7 @@ from common.kv.pool import KVPool
 
 def kv_checksums(pool: KVPool, slots: torch.Tensor) -> list[int]:
     """The `2 * num_layers` checksums of the K/V at `slots` (position order)."""
-    rows = pool.data[:, :, slots.to(pool.data.device)].cpu()  # [layers, 2, n, heads, head_dim], one gather
+    rows = pool.data.index_select(2, slots.to(pool.data.device)).cpu()  # [layers, 2, n, heads, head_dim]
     flat = rows.view(torch.uint8).reshape(2 * pool.num_layers, -1).numpy()
     return [xxhash.xxh3_64_intdigest(row) for row in flat]
 
