@@ -72,7 +72,10 @@ class Writers:
 
     def seen_run(self, address: str, incarnation: int, writer: pb.WriterIdentity | None = None) -> None:
         """The writer at `address` runs as `incarnation` (its handshake, or its GetLoad): an
-        earlier run there is over, and its fences come down."""
+        earlier run there is over, and its fences come down. Incarnation 0 (a writer that does
+        not say) proves nothing."""
+        if not incarnation:
+            return
         with self.lock:
             earlier = self._run_at.get(address)
             if writer is not None:
