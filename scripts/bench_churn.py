@@ -177,7 +177,7 @@ def main() -> None:
     args = p.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_churn_") as tmp, \
-            decode_node(Path(tmp), "--transport", "tcp", "--kv-pages", str(args.kv_pages), "--page-size",
+            decode_node(Path(tmp), "--transport", "tcp", "--verify-kv", "off", "--kv-pages", str(args.kv_pages), "--page-size",
                         str(PAGE_SIZE), "--lease-seconds", "600", "--max-requests", "1024") as dn:
         churn = Churn(dn.stub, args)
         churn.run(args.requests)

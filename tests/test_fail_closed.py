@@ -81,6 +81,18 @@ def test_remote_send_of_corrupt_kv_is_data_loss_and_the_reservation_waits_again(
     _wait_for(lambda: _whole(dn), 10)
 
 
+def test_a_completion_without_checksums_is_refused(nodes):
+    _, dn, _ = nodes
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="unchecked", token_ids=random_ids(40, 4)))
+    dn.stub.BeginTransfer(pb.BeginTransferRequest(request_id="unchecked", transfer_nonce=r.transfer_nonce,
+                                                  kv_append_metadata=r.kv_append_metadata))
+    with pytest.raises(grpc.RpcError) as info:
+        dn.stub.CompleteTransfer(pb.CompleteTransferRequest(request_id="unchecked", transfer_nonce=r.transfer_nonce))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_checksums" in info.value.details()
+    dn.stub.Abort(pb.AbortRequest(request_id="unchecked"))
+    _wait_for(lambda: _whole(dn), 10)
+
+
 @pytest.fixture
 def handshake(nodes, model):
     """Announce a writer run to the decode node as a prefill node's handshake does."""

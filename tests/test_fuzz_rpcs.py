@@ -59,7 +59,10 @@ def nodes(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     pn = Daemon("prefill_node", [*FP32, "--transport", "tcp", "--threads", "1", "--max-batch-tokens", "256"],
                 tmp / f"prefill_{free_port()}.log")
+    # --verify-kv off: these tests play a writer that writes nothing (so has no checksums to send);
+    # tests/test_fail_closed.py checks the KV a real writer sends.
     dn = Daemon("decode_node", [*FP32, "--transport", "tcp", "--threads", "1", "--lease-seconds", str(LEASE_S),
+                                "--verify-kv", "off",
                                 "--kv-pages", str(DECODE_PAGES), "--prefill", pn.address], tmp / f"decode_{free_port()}.log")
     try:
         request.getfixturevalue("model")  # load the reference model while the daemons start
