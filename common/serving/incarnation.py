@@ -1,6 +1,6 @@
 """This process's identity as a node: a random incarnation drawn at start (GetLoad reports it,
-a KV writer announces it in its handshake), and, for a peer on the same host, what tells that
-the process is gone (its pid no longer runs with the same start time)."""
+a KV writer announces it in its handshake), and, for a peer on the same host and in the same pid
+namespace, what tells that the process is gone (its pid no longer runs with the same start time)."""
 from __future__ import annotations
 
 import os
@@ -19,6 +19,13 @@ def _boot_id() -> str:
         return ""
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def process_start_ticks(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat (the process's start time, in clock ticks since boot); None
     when no such process runs."""
@@ -31,12 +38,16 @@ def process_start_ticks(pid: int) -> int | None:
 
 def writer_identity(address: str) -> pb.WriterIdentity:
     return pb.WriterIdentity(incarnation=INCARNATION, address=address, boot_id=_boot_id(), pid=os.getpid(),
-                             process_start_ticks=process_start_ticks(os.getpid()) or 0)
+                             process_start_ticks=process_start_ticks(os.getpid()) or 0,
+                             pid_namespace=_pid_namespace())
 
 
 def provably_gone(writer: pb.WriterIdentity) -> bool:
-    """Whether `writer`'s process is known to have ended: it ran on this host (same boot) and its
-    pid now runs nothing, or something started later. False when that cannot be known here."""
+    """Whether `writer`'s process is known to have ended: it ran on this host (same boot) in this
+    pid namespace, and its pid now runs nothing, or something started later. False when that
+    cannot be known here (another host, another container's pids)."""
     if not writer.boot_id or writer.boot_id != _boot_id() or writer.pid <= 0:
+        return False
+    if not writer.pid_namespace or writer.pid_namespace != _pid_namespace():
         return False
     return process_start_ticks(writer.pid) != writer.process_start_ticks

@@ -338,18 +338,20 @@ class GetTransportInfoRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., transport: _Optional[str] = ..., writer: _Optional[_Union[WriterIdentity, _Mapping]] = ...) -> None: ...
 
 class WriterIdentity(_message.Message):
-    __slots__ = ("incarnation", "address", "boot_id", "pid", "process_start_ticks")
+    __slots__ = ("incarnation", "address", "boot_id", "pid", "process_start_ticks", "pid_namespace")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     address: str
     boot_id: str
     pid: int
     process_start_ticks: int
-    def __init__(self, incarnation: _Optional[int] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., process_start_ticks: _Optional[int] = ...) -> None: ...
+    pid_namespace: str
+    def __init__(self, incarnation: _Optional[int] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., process_start_ticks: _Optional[int] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
     __slots__ = ("transport", "fingerprint", "num_slots", "tcp_address", "nixl_agent_name", "nixl_agent_metadata", "pool_base_address", "pool_size_bytes", "verify_kv")
