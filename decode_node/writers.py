@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -45,12 +46,16 @@ class Writers:
         self._metrics = metrics
         self._tracer = tracer
         self.fences = WriteFences(engine.allocator, engine.lock, config.quarantine_seconds)
+        # One thread checks KV: torch's OpenMP gives every thread that runs a parallel op a team of
+        # its own, so checking on each gRPC worker would grow a team per worker.
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
         self._runs: dict[int, pb.WriterIdentity] = {}  # incarnation -> the run it names
         self._run_at: dict[str, int] = {}  # writer address -> its latest incarnation
         self.receiver = open_receiver(config.transport, engine.pool, self.fences, config.host, config.advertise_host,
                                       name=name, transfers_pending=requests.awaiting_transfer)
 
     def close(self) -> None:
+        self._checker.shutdown()
         self.receiver.close()
         self.fences.lift_all()
 
@@ -161,7 +166,7 @@ class Writers:
         if not checksums:
             raise InvalidArgument("kv_checksums are missing: this decode node verifies received KV (--verify-kv on)")
         slots = torch.from_numpy(entry.reservation.segments.slots())
-        where = first_mismatch(kv_checksums(self.engine.pool, slots), list(checksums))
+        where = first_mismatch(self._checker.submit(kv_checksums, self.engine.pool, slots).result(), list(checksums))
         if where is None:
             return
         self._metrics.transfers.failed("checksum")
