@@ -21,6 +21,7 @@ def test_defaults():
     assert d.page_size == p.page_size == 16 and d.kv_pages * d.page_size >= 16_000
     assert d.lease_seconds == 30.0 and d.transport == p.transport == "nixl" and d.prefill == ()
     assert d.drain_seconds == p.drain_seconds == 10.0
+    assert d.verify_kv == "on" and decode_args(["--verify-kv", "off"]).verify_kv == "off"
     assert d.routing_policy.mode == "prefix" and decode_args(["--routing", "load"]).routing_policy.mode == "load"
 
 
@@ -32,6 +33,7 @@ def test_defaults():
     (["--drain-seconds", "0"], "--drain-seconds"),
     (["--routing", "nearest"], "invalid choice"),
     (["--load-weight", "-1"], "--load-weight"),
+    (["--verify-kv", "maybe"], "invalid choice"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
