@@ -214,30 +214,82 @@ class PrepareReceiveResponse(_message.Message):
     def __init__(self, prompt_length: _Optional[int] = ..., prefix_matched_length: _Optional[int] = ..., kv_append_metadata: _Optional[_Iterable[int]] = ..., kv_window_end: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., transfer_nonce: _Optional[int] = ..., kv_window_begin: _Optional[int] = ...) -> None: ...
 
 class StartGenerationRequest(_message.Message):
-    __slots__ = ("request_id", "kv_window_begin", "sampling")
+    __slots__ = ("request_id", "kv_window_begin", "sampling", "continuation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_BEGIN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_window_begin: int
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    continuation: Continuation
+    def __init__(self, request_id: _Optional[str] = ..., kv_window_begin: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+
+class Continuation(_message.Message):
+    __slots__ = ("samples", "cached_tokens", "finished_completion_tokens")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampleContinuation]
+    cached_tokens: int
+    finished_completion_tokens: int
+    def __init__(self, samples: _Optional[_Iterable[_Union[SampleContinuation, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., finished_completion_tokens: _Optional[int] = ...) -> None: ...
+
+class SampleContinuation(_message.Message):
+    __slots__ = ("index", "generated_token_ids", "seed")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    def __init__(self, index: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "prompt", "messages", "sampling", "tools")
+    __slots__ = ("request_id", "token_ids", "prompt", "messages", "sampling", "tools", "continuation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     tools: _containers.RepeatedCompositeFieldContainer[FunctionTool]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ...) -> None: ...
+    continuation: Continuation
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id", "target_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target_address: str
+    def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("tokens_moved", "prefix_matched_length", "pause_seconds")
+    TOKENS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_MATCHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokens_moved: int
+    prefix_matched_length: int
+    pause_seconds: float
+    def __init__(self, tokens_moved: _Optional[int] = ..., prefix_matched_length: _Optional[int] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("requests_migrated",)
+    REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    requests_migrated: int
+    def __init__(self, requests_migrated: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -84,6 +84,16 @@ class DecodeNodeStub:
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/duet.v1.DecodeNode/Migrate',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.MigrateResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/duet.v1.DecodeNode/Drain',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -159,6 +169,20 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Move a running request to another decode node at a step boundary; its stream continues.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Migrate every running request to the --drain-to nodes, then exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +235,16 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.WatchKvEvents,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.MigrateRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.MigrateResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +517,60 @@ class DecodeNode:
             '/duet.v1.DecodeNode/WatchKvEvents',
             protos_dot_duet_dot_v1_dot_duet__pb2.WatchKvEventsRequest.SerializeToString,
             protos_dot_duet_dot_v1_dot_duet__pb2.KvEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeNode/Migrate',
+            protos_dot_duet_dot_v1_dot_duet__pb2.MigrateRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeNode/Drain',
+            protos_dot_duet_dot_v1_dot_duet__pb2.DrainRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
