@@ -469,7 +469,7 @@ def test_hung_decode_node_does_not_stall_other_transfers(c, model):
     """A decode node that accepts connections but never answers (hung, SIGSTOPped, half-open)
     must not hold up RemoteSends to healthy decode nodes."""
     if c.transport != "tcp":
-        pytest.skip("the handshake cache (prefill_node/decode_peers.py) is transport-independent: checked once")
+        pytest.skip("the handshake cache (common/peers/decode_peers.py) is transport-independent: checked once")
     prompt = random_ids(40, 61)
     with socket.create_server(("127.0.0.1", 0)) as hung:  # the kernel accepts, nobody ever answers
         stuck = Background(lambda: c.pn.stub.RemoteSend(pb.RemoteSendRequest(

@@ -1,4 +1,4 @@
-"""Decode nodes this prefill node has talked to: gRPC stub plus the transport handshake,
+"""Decode nodes this node writes KV into: gRPC stub plus the transport handshake,
 cached per address and dropped when the peer fails so a restarted peer is re-handshaken."""
 from __future__ import annotations
 

@@ -1,0 +1,125 @@
+"""Writing KV into a decode node's reserved slots, with the control calls around the bytes:
+BeginTransfer before the first byte, CompleteTransfer (with the KV's checksums when the decode
+node verifies them) after the last, and an `abandoned` report when a one-sided transfer failed,
+so the decode node can reuse the pages at once instead of quarantining them.
+
+Two kinds of node write: a prefill node writes the KV it computes, layer by layer as the forward
+finishes each; a decode node writes a running request's KV when it migrates it to another
+decode node (decode_node/migration.py). Both write through one `KvWriter`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from common.errors import RequestError, Unavailable
+from common.kv.pool import KVPool
+from common.peers.decode_peers import DecodePeer, DecodePeers
+from common.serving.incarnation import INCARNATION, writer_identity
+from common.serving.tls import TlsFiles
+from common.transports import TransferError
+from common.transports.checksum import kv_checksums
+from common.transports.connector import KvSender, Transfer
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenTransfer:
+    """One request's transfer into a decode node's reservation, admitted by BeginTransfer."""
+
+    peer: DecodePeer
+    request_id: str
+    nonce: int
+    transfer: Transfer
+
+
+class KvWriter:
+    def __init__(self, pool: KVPool, sender: KvSender, fingerprint: pb.CompatibilityFingerprint,
+                 advertise_address: str, tls: TlsFiles) -> None:
+        self.pool = pool
+        self.sender = sender
+        self.tls = tls
+        self.peers = DecodePeers(fingerprint, writer_identity(advertise_address), sender, tls)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kv-checksum")  # beside the transfer's wait
+
+    def close(self) -> None:
+        self._hasher.shutdown()
+        self.peers.close()
+        self.sender.close()
+
+    def begin(self, peer: DecodePeer, request_id: str, nonce: int, metadata: list[int], deadline: float,
+              on_layer_done: Callable[[int], None] = lambda layer: None) -> OpenTransfer:
+        """Be admitted to the reservation (request_id, nonce) at `peer` (BeginTransfer), then open
+        the transfer that writes it, to be done by `deadline` (time.monotonic())."""
+        self.call(peer, peer.stub.BeginTransfer, pb.BeginTransferRequest(
+            request_id=request_id, transfer_nonce=nonce, kv_append_metadata=metadata,
+            writer_incarnation=INCARNATION), deadline)
+        try:
+            transfer = self.sender.open(peer.address, request_id, nonce, max(0.1, deadline - time.monotonic()),
+                                        on_layer_done=on_layer_done)
+        except TransferError as exc:
+            self.peers.drop(peer.address)
+            self.abandon(peer, request_id, nonce)
+            raise Unavailable(str(exc)) from None
+        return OpenTransfer(peer, request_id, nonce, transfer)
+
+    def finish(self, job: OpenTransfer, src_slots: np.ndarray | torch.Tensor, deadline: float) -> None:
+        """Wait for every byte to land, then tell the decode node (CompleteTransfer, with the
+        checksums of this node's `src_slots` when it verifies KV: computed meanwhile)."""
+        peer = job.peer
+        checksums = None
+        if peer.info.verify_kv:
+            checksums = self._hasher.submit(kv_checksums, self.pool, torch.as_tensor(src_slots))
+        try:
+            job.transfer.finish()
+        except TransferError as exc:
+            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or exc.in_flight:
+                # A dead or stalled peer: forget its endpoint, so the next request re-handshakes
+                # instead of reusing a connection that may still carry this transfer's bytes.
+                self.peers.drop(peer.address)
+            raise RequestError(str(exc), exc.code) from None
+        self.call(peer, peer.stub.CompleteTransfer, pb.CompleteTransferRequest(
+            request_id=job.request_id, transfer_nonce=job.nonce,
+            kv_checksums=checksums.result() if checksums else ()), deadline)
+
+    def fail(self, job: OpenTransfer) -> None:
+        """Stop a transfer that will not complete; when its writes landed unseen (one-sided) and
+        none can land any more, say so (CompleteTransfer{abandoned})."""
+        if job.transfer.cancel() and self.sender.one_sided:
+            self.abandon(job.peer, job.request_id, job.nonce)
+
+    def call(self, peer: DecodePeer, rpc, request, deadline: float) -> None:
+        """One control-plane call to the decode node, within the transfer's deadline; a node
+        that is gone is forgotten, so the next request re-handshakes."""
+        try:
+            rpc(request, timeout=max(0.1, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.peers.drop(peer.address)
+            raise RequestError.from_rpc(exc, f"decode node {peer.address}") from None
+
+    def abandon(self, peer: DecodePeer, request_id: str, nonce: int) -> None:
+        """Tell the decode node that this failed transfer will write nothing more, so it can
+        reuse the pages at once instead of holding them until its --quarantine-seconds pass.
+        Best effort: when the decode node is unreachable, the quarantine ends it. A peer dropped
+        on the way (a failed transfer forgets its endpoint) is told over a channel of its own."""
+        report = pb.CompleteTransferRequest(request_id=request_id, transfer_nonce=nonce, abandoned=True)
+        try:
+            try:
+                peer.stub.CompleteTransfer(report, timeout=2.0)
+            except ValueError:  # the peer was dropped, its channel closed
+                with self.tls.channel(peer.address) as channel:
+                    duet_pb2_grpc.DecodeNodeStub(channel).CompleteTransfer(report, timeout=2.0)
+        except grpc.RpcError as exc:
+            log.info("could not report an abandoned transfer", extra={"fields": {
+                "request_id": request_id, "error": str(exc)}})
