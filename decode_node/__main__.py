@@ -17,7 +17,9 @@ def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
     config = dataclasses.replace(config, port=daemon.port)  # with --port 0 only the bound port is known
     node = DecodeNode(config, *load_model_and_tokenizer(config.model, config.torch_dtype, config.device,
                                                           attention_sinks=config.attention_sinks, dtype_flag=config.dtype))
-    duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node, daemon.draining), daemon.server)
+    duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node, daemon.draining, daemon.request_stop),
+                                                   daemon.server)
+    daemon.before_stop(node.drain_before_stop)
     if config.openai_port is not None:
         attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model,
                             config.api_key, config.tool_call_parser)

@@ -28,6 +28,7 @@ class DecodeNodeConfig(DaemonConfig):
     max_running_requests: int | None = None  # admitted (generating or reserved) at once; None = max_requests
     max_total_tokens: int | None = None  # admitted requests' prompt + generated tokens; None = no cap
     prefill: tuple[str, ...] = ()  # prefill node addresses Generate hands prompts to
+    drain_to: tuple[str, ...] = ()  # decode nodes SIGTERM and Drain migrate running requests to (decode_node/drain.py)
     min_remote_prefill_tokens: int = 32
     routing: str = "prefix"  # how Generate picks a prefill node (common/peers/routing.py)
     load_weight: float = DEFAULT_LOAD_WEIGHT
@@ -88,6 +89,9 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--openai-port must be in [0, 65535]")
         if self.api_key and self.openai_port is None:
             raise ValueError("--api-key guards the HTTP API: give --openai-port too")
+        bad = next((a for a in self.drain_to if a.rpartition(":")[0] == "" or not a.rpartition(":")[2].isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"--drain-to {bad!r} must be HOST:PORT")
         _ = self.speculative_config  # raises ValueError on a bad --speculative flag
         _ = self.routing_policy
 
@@ -131,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
                    "running (default: no cap but the KV pool)")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill node for Generate to hand prompts to (repeatable); none = single-node mode")
+    p.add_argument("--drain-to", action="append", default=[], metavar="HOST:PORT",
+                   help="a decode node to migrate running requests to on SIGTERM or the Drain RPC, the least "
+                   "loaded first, relaying their streams until they end (repeatable); none = SIGTERM lets them "
+                   "finish here within --drain-seconds")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=d.min_remote_prefill_tokens,
                    help="prefill locally when fewer uncached prompt tokens than this (default %(default)s)")
     add_routing_args(p, "the prefill node Generate hands a prompt to")

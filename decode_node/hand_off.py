@@ -15,8 +15,9 @@ from collections.abc import Sequence as Seq
 
 from common.daemon_limits import check_request_id
 from common.engine.core import Engine, Sequence
+from common.engine.generation import Continuation, RequestHandle
 from common.engine.sampling import SamplingParams
-from common.engine.scheduler import RequestHandle, Scheduler
+from common.engine.scheduler import Scheduler
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from common.kv.segments import Segments, slot_range
 from common.peers.hand_off import hand_off
@@ -25,6 +26,7 @@ from common.tracing import Tracer
 from decode_node.admission import Admission
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
+from decode_node.migration import sample_request_id
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -110,29 +112,59 @@ class HandOff:
             kv_append_metadata=segments.to_wire(), lease_deadline_unix=lease_deadline,
             transfer_nonce=entry.reservation.nonce)
 
-    def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
+    def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams,
+                         sampling: pb.SamplingParams | None = None,
+                         continuation: Continuation | None = None) -> RequestHandle:
+        """Claim the received reservation and generate from it; with a `continuation` (a migrated
+        request) claim each of its samples' reservations and continue them."""
         if params.prompt_logprobs is not None:
             raise InvalidArgument("prompt_logprobs needs the whole prompt computed on the decode node: send it "
                                   "with Generate (StartGeneration continues a prompt prefilled elsewhere)")
         with self.engine.lock:
-            entry = self.requests.get(request_id)
-            if entry is None or entry.status not in HOLDING_RESERVATION:
-                raise NotFound(f"no reservation {request_id!r}: call PrepareReceive first (or it expired)")
+            entry = self._received(request_id, kv_window_begin)
+            entry.sampling = sampling
             r = entry.reservation
-            if kv_window_begin != r.end:
-                raise InvalidArgument(f"kv_window_begin {kv_window_begin} must equal the reservation's "
-                                      f"kv_window_end {r.end}")
-            if entry.status is not Status.RECEIVED:
-                raise FailedPrecondition(f"the KV transfer for {request_id!r} has not completed yet")
-            r.seq.num_computed = max(r.prefix_matched, r.end)
-            self.requests.move(entry, Status.RUNNING)
-            return self.scheduler.submit(request_id, r.seq, params)
+            if continuation is None:
+                self._claim(entry)
+                return self.scheduler.submit(request_id, r.seq, params)
+            samples = [entry] + [self._received(sample_request_id(request_id, s.index, position))
+                                 for position, s in enumerate(continuation.samples) if position]
+            prompt = len(r.seq.token_ids) - len(continuation.samples[0].generated)
+            for e, s in zip(samples, continuation.samples):
+                tokens = e.reservation.seq.token_ids
+                if prompt <= 0 or tokens[prompt:] != list(s.generated) or tokens[:prompt] != r.seq.token_ids[:prompt]:
+                    raise InvalidArgument(f"the reservation {e.request_id!r} does not hold the prompt followed by "
+                                          f"sample {s.index}'s generated_token_ids")
+            for e in samples:
+                self._claim(e)
+            for e in samples[1:]:  # its pages now belong to the request's generation
+                self.requests.move(e, Status.FINISHED)
+            return self.scheduler.submit_continuation(request_id, [e.reservation.seq for e in samples], params,
+                                                      continuation)
+
+    def _received(self, request_id: str, kv_window_begin: int | None = None) -> LiveRequest:
+        """The reservation `request_id` (ending at `kv_window_begin` when given), if its KV is all here."""
+        entry = self.requests.get(request_id)
+        if entry is None or entry.status not in HOLDING_RESERVATION:
+            raise NotFound(f"no reservation {request_id!r}: call PrepareReceive first (or it expired)")
+        if kv_window_begin is not None and kv_window_begin != entry.reservation.end:
+            raise InvalidArgument(f"kv_window_begin {kv_window_begin} must equal the reservation's "
+                                  f"kv_window_end {entry.reservation.end}")
+        if entry.status is not Status.RECEIVED:
+            raise FailedPrecondition(f"the KV transfer for {request_id!r} has not completed yet")
+        return entry
+
+    def _claim(self, entry: LiveRequest) -> None:
+        r = entry.reservation
+        r.seq.num_computed = max(r.prefix_matched, r.end)
+        self.requests.move(entry, Status.RUNNING)
 
     def generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams,
-                        cancelled: Callable[[], bool], deadline: float | None) -> tuple[RequestHandle | None, bool]:
+                        sampling: pb.SamplingParams | None, cancelled: Callable[[], bool],
+                        deadline: float | None) -> tuple[RequestHandle | None, bool]:
         """The three calls with a prefill node: the handle, or None when the KV did not arrive;
         and whether the request was aborted meanwhile (then Generate must not prefill it here)."""
-        steps = _InProcessSteps(self, request_id, tokens, params, cancelled, deadline)
+        steps = _InProcessSteps(self, request_id, tokens, params, sampling, cancelled, deadline)
         handle = hand_off(request_id, tokens, steps, self.prefill_pool, self.tracer)
         return handle, steps.entry is not None and steps.entry.status is Status.ABORTED
 
@@ -141,9 +173,10 @@ class _InProcessSteps:
     """The hand-off's steps as the decode node runs them on itself."""
 
     def __init__(self, node: HandOff, request_id: str, tokens: list[int], params: SamplingParams,
-                 cancelled: Callable[[], bool], deadline: float | None) -> None:
+                 sampling: pb.SamplingParams | None, cancelled: Callable[[], bool], deadline: float | None) -> None:
         self.decode_address = node.config.advertise_address
         self._node, self._request_id, self._tokens, self._params = node, request_id, tokens, params
+        self._sampling = sampling
         self._cancelled, self._deadline = cancelled, deadline
         self.entry: LiveRequest | None = None
 
@@ -167,7 +200,7 @@ class _InProcessSteps:
 
     def start(self, kv_window_begin: int) -> RequestHandle | None:
         try:
-            return self._node.start_generation(self._request_id, kv_window_begin, self._params)
+            return self._node.start_generation(self._request_id, kv_window_begin, self._params, self._sampling)
         except (NotFound, FailedPrecondition):  # expired or aborted meanwhile
             self.release()
             return None

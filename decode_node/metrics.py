@@ -51,6 +51,16 @@ class DecodeMetrics:
             "duet_spec_acceptance_length", "Draft tokens accepted per verified draft (each step also emits one "
             "token of its own)", buckets=_ACCEPTED_BUCKETS, registry=r)
 
+        self.migrations = Counter(
+            "duet_migrations", "Requests this node moved to another decode node, by why (rpc: Migrate, drain: "
+            "Drain or SIGTERM with --drain-to) and outcome (migrated; failed: it decoded on here; resumed: the target "
+            "died after taking it, it continued here; aborted)", ["reason", "outcome"], registry=r)
+        self.migration_pause = Histogram("duet_migration_pause", "The gap a migrated request's stream saw: from the "
+                                         "last token this node sent to the target's first", unit="seconds",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.migration_tokens = Counter("duet_migration_tokens", "Positions whose KV migrations moved (the rest "
+                                        "was in the targets' prefix caches)", registry=r)
+
     def observe_speculation(self, drafted: int, accepted: int) -> None:
         """One verified draft (common/engine/speculative.py)."""
         self.spec_draft_tokens.inc(drafted)

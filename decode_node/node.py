@@ -4,35 +4,44 @@ node when that is worth it, else prefilled here), its load, and Abort.
 The parts: `request_table.py` (every live request and its status), `admission.py` (may a
 request take pages now), `hand_off.py` (PrepareReceive, StartGeneration, and Generate's hand-off
 to a prefill node), `writers.py` (the transport handshake and the writers' BeginTransfer and
-CompleteTransfer), `lease_sweeper.py`, and the engine's continuous-batching scheduler.
+CompleteTransfer), `migration.py` (moving a running request to another decode node),
+`lease_sweeper.py`, and the engine's continuous-batching scheduler.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from common.daemon_limits import check_prompt, check_request_id
 from common.engine.core import Engine, Sequence
+from common.engine.generation import Continuation, RequestHandle
 from common.engine.sampling import SamplingParams
-from common.engine.scheduler import RequestHandle, Scheduler
-from common.errors import Aborted, Cancelled, InvalidArgument, NotFound
+from common.engine.scheduler import Scheduler
+from common.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from common.model.llama import LlamaModel
 from common.model.tokenizer import Tokenizer
 from common.peers.hand_off import worth_remote
+from common.peers.kv_writer import KvWriter
 from common.peers.prefill_pool import PrefillPool
+from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import INCARNATION
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
+from common.transports import open_sender
 from decode_node.admission import Admission
 from decode_node.config import DecodeNodeConfig
+from decode_node.drain import Drain
 from decode_node.hand_off import HandOff
 from decode_node.lease_sweeper import LeaseSweeper
 from decode_node.metrics import DecodeMetrics
+from decode_node.migration import Migrations
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Status
 from decode_node.writers import Writers
 from protos.duet.v1 import duet_pb2 as pb
 
+log = logging.getLogger(__name__)
 
 class DecodeNode:
     def __init__(self, config: DecodeNodeConfig, model: LlamaModel, tokenizer: Tokenizer) -> None:
@@ -53,11 +62,17 @@ class DecodeNode:
             metrics=self.metrics)
         self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls,
                                         policy=config.routing_policy)
-        self.writers = Writers(config, self.engine, self.requests, self.metrics, self.tracer,
-                               name=f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
+        name = f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}"
+        self.writers = Writers(config, self.engine, self.requests, self.metrics, self.tracer, name=name)
+        # This node writes KV too: a running request's, into the decode node it migrates to.
+        self.kv_writer = KvWriter(self.engine.pool, open_sender(config.transport, self.engine.pool, f"{name}-sender"),
+                                  fingerprint_of(model, self.engine.pool), config.advertise_address, config.tls)
         self.prefill_pool.on_load = lambda member: self.writers.seen_run(member.address, member.load.incarnation)
         self.hand_off = HandOff(config, self.engine, self.scheduler, self.requests, self.admission,
                                 self.prefill_pool, self.metrics, self.tracer, self._check_prompt)
+        self.migrations = Migrations(config, self.engine, self.scheduler, self.requests, self.kv_writer,
+                                     self.metrics, self.tracer)
+        self.draining = False  # new requests are refused: the running ones move to --drain-to nodes
         self.scheduler.start()
         self._sweeper = LeaseSweeper(self.requests, self.writers, self.metrics, self.tracer)
 
@@ -70,6 +85,7 @@ class DecodeNode:
         self._sweeper.stop()
         self.scheduler.stop()
         self.requests.end_all()
+        self.kv_writer.close()
         self.writers.close()
 
     def _finished(self, request_id: str, reason: str) -> None:
@@ -91,6 +107,7 @@ class DecodeNode:
     def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None,
                         cancelled: Callable[[], bool] = lambda: False,
                         deadline: float | None = None) -> pb.PrepareReceiveResponse:
+        self._check_accepting()
         return self.hand_off.prepare_receive(request_id, token_ids, kv_window_end, cancelled, deadline)
 
     def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str,
@@ -104,30 +121,63 @@ class DecodeNode:
                           checksums: Seq[int] = ()) -> None:
         self.writers.complete(request_id, nonce, abandoned, checksums)
 
-    def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams) -> RequestHandle:
+    def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams,
+                         sampling: pb.SamplingParams | None = None,
+                         continuation: Continuation | None = None) -> RequestHandle:
+        """`sampling`: the parameters as the client sent them (a migration hands them on)."""
         check_request_id(request_id)
         self._check_speculation(params)
-        return self.hand_off.start_generation(request_id, kv_window_begin, params)
+        return self.hand_off.start_generation(request_id, kv_window_begin, params, sampling, continuation)
+
+    def migrate(self, request_id: str, target_address: str) -> pb.MigrateResponse:
+        return self.migrations.migrate(request_id, target_address)
+
+    def drain(self) -> int:
+        """Refuse new requests and migrate the running ones to the --drain-to nodes (decode_node/drain.py);
+        returns how many moved."""
+        if not self.config.drain_to:
+            raise FailedPrecondition("this decode node was started without --drain-to: name the decode nodes its "
+                                     "running requests may move to")
+        self.draining = True
+        return Drain(self.config.drain_to, self.migrations, self.requests).run()
+
+    def drain_before_stop(self) -> None:
+        """Shutting down: with --drain-to, move the running requests away and relay their streams to the end."""
+        if self.config.drain_to:
+            moved = self.drain()
+            log.info("drained: relaying the migrated streams to their end", extra={"fields": {
+                "requests_migrated": moved, "relaying": self.migrations.in_flight()}})
+            self.migrations.wait_idle()
+
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise Unavailable("this decode node is draining (shutting down): send the request to another node")
 
     # ---- Generate ----
 
     def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
-                 cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None) -> RequestHandle:
+                 cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None,
+                 sampling: pb.SamplingParams | None = None, continuation: Continuation | None = None) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
         when no prefill node delivers) prefill locally, reusing the prefix cache either way.
         `cancelled` tells whether the caller gave up (then nothing more is started); with
         --admission queue it waits for room until then or the `deadline` (monotonic).
         A request for prompt logprobs is computed here from its first token (module docstring
-        of common/engine/scheduler.py)."""
+        of common/engine/scheduler.py). `sampling`: the parameters as the client sent them.
+        With a `continuation` the prompt's generation continues here from the tokens another node
+        generated, their context recomputed (with the prefix cache's help)."""
         check_request_id(request_id)
+        self._check_accepting()
         self._check_speculation(params)
         tokens = self._check_prompt(token_ids)
+        if continuation is not None:
+            return self._continue(request_id, tokens, params, sampling, continuation)
         scoring = params.prompt_logprobs is not None
         with self.engine.lock:
             self.admission.check_room()
             cached = self.engine.prefix_cache.matched_length(tokens[:-1])
         if worth_remote(len(tokens), cached, self.config.min_remote_prefill_tokens, scoring, self.prefill_pool):
-            handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, cancelled, deadline)
+            handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, sampling, cancelled, deadline)
             if aborted:
                 raise Aborted(f"request {request_id!r} was aborted during its hand-off to a prefill node")
             if handle is not None:
@@ -143,8 +193,29 @@ class DecodeNode:
                 raise
             self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
             self.metrics.prefix_hit_tokens.inc(seq.num_computed)
+            entry.sampling = sampling
             self.requests.move(entry, Status.RUNNING)
             return self.scheduler.submit(request_id, seq, params)
+
+    def _continue(self, request_id: str, prompt: list[int], params: SamplingParams, sampling: pb.SamplingParams | None,
+                  continuation: Continuation) -> RequestHandle:
+        """Continue each sample of `continuation` from its prompt and output, computed here."""
+        contexts = [self._check_prompt(prompt + list(s.generated)) for s in continuation.samples]
+        with self.engine.lock:
+            entry = self.hand_off.new_request(request_id)
+            try:
+                self.admission.check_room()
+            except BaseException:
+                self.requests.move(entry, Status.ABORTED)
+                raise
+            seqs = [self.engine.new_sequence(f"{request_id}#{s.index}", tokens)
+                    for s, tokens in zip(continuation.samples, contexts)]
+            self.metrics.prefix_hit_tokens.inc(sum(seq.num_computed for seq in seqs))
+            self.tracer.event(request_id, "continued", samples=len(seqs),
+                              context_tokens=len(contexts[0]), matched_tokens=seqs[0].num_computed)
+            entry.sampling = sampling
+            self.requests.move(entry, Status.RUNNING)
+            return self.scheduler.submit_continuation(request_id, seqs, params, continuation)
 
     def _local_sequence(self, request_id: str, tokens: list[int], cancelled: Callable[[], bool],
                         deadline: float | None, use_prefix_cache: bool) -> Sequence:
@@ -185,6 +256,8 @@ class DecodeNode:
     def _abort(self, entry: LiveRequest) -> None:
         if entry.status is Status.QUEUED:
             self.admission.abort(entry.request_id)  # its waiter gives up with ABORTED
+        elif entry.status is Status.MIGRATING:
+            self.migrations.abort(entry.request_id)
         elif entry.status in HOLDING_RESERVATION:
             if entry.status is Status.RECEIVING:
                 self.metrics.transfers.failed("aborted")
@@ -192,3 +265,8 @@ class DecodeNode:
             self.tracer.event(entry.request_id, "aborted", held="reservation")
         else:
             self.scheduler.abort(entry.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """The client of `request_id`'s stream went away: stop generating it, here or where it migrated."""
+        if not self.scheduler.abort(request_id):
+            self.migrations.abort(request_id)

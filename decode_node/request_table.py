@@ -9,13 +9,17 @@
     RESERVED   --nothing to send (all cached)-------->  RECEIVED
     RECEIVED   --StartGeneration--------------------->  RUNNING
     RUNNING    --the scheduler finished it----------->  FINISHED
+    RUNNING    --Migrate (or a drain)---------------->  MIGRATING
+    MIGRATING  --the target failed before confirming->  RUNNING     (it decodes on here)
+    MIGRATING  --its relayed stream ended------------>  FINISHED
     the other ends: QUEUED -> ABORTED; RESERVED | RECEIVING | RECEIVED -> ABORTED | EXPIRED | FAILED;
-                    RUNNING -> ABORTED
+                    RUNNING | MIGRATING -> ABORTED
 
     QUEUED: waiting for admission (--admission queue); the request holds no pages.
     RESERVED: PrepareReceive reserved pages; no writer has begun. RECEIVING: a writer began
     (BeginTransfer; a retry on another writer stays RECEIVING). RECEIVED: the KV is all here.
-    RUNNING: the scheduler computes and decodes it. The ends: FINISHED (the scheduler finished
+    RUNNING: the scheduler computes and decodes it. MIGRATING: it moves to another decode node
+    (decode_node/migration.py), then generates there while this node relays its stream. The ends: FINISHED (the scheduler finished
     it), ABORTED (Abort, a cancelled call, a waiter that gave up), EXPIRED (its lease ran out
     before StartGeneration), FAILED (its hand-off failed: the KV did not arrive, and Generate
     falls back to local prefill under a new entry).
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 from common.engine.core import Engine, Sequence, locked
 from common.kv.segments import Segments
+from protos.duet.v1 import duet_pb2 as pb
 
 
 class Status(enum.Enum):
@@ -40,6 +45,7 @@ class Status(enum.Enum):
     RECEIVING = "receiving"
     RECEIVED = "received"
     RUNNING = "running"
+    MIGRATING = "migrating"
     FINISHED = "finished"
     ABORTED = "aborted"
     EXPIRED = "expired"
@@ -54,7 +60,8 @@ _NEXT: dict[Status, frozenset[Status]] = {
     S.RESERVED: frozenset({S.RECEIVING, S.RECEIVED, S.ABORTED, S.EXPIRED, S.FAILED}),
     S.RECEIVING: frozenset({S.RECEIVING, S.RESERVED, S.RECEIVED, S.ABORTED, S.EXPIRED, S.FAILED}),
     S.RECEIVED: frozenset({S.RUNNING, S.ABORTED, S.EXPIRED, S.FAILED}),
-    S.RUNNING: frozenset({S.FINISHED, S.ABORTED}),
+    S.RUNNING: frozenset({S.FINISHED, S.ABORTED, S.MIGRATING}),
+    S.MIGRATING: frozenset({S.RUNNING, S.FINISHED, S.ABORTED}),
 }
 
 
@@ -80,6 +87,7 @@ class LiveRequest:
     request_id: str
     status: Status = S.QUEUED
     reservation: Reservation | None = None
+    sampling: pb.SamplingParams | None = None  # as the client sent them: a migration hands them on
 
 
 class RequestTable:
@@ -127,6 +135,10 @@ class RequestTable:
     @locked
     def counts(self) -> Counter[Status]:
         return Counter(e.status for e in self._by_id.values())
+
+    @locked
+    def with_status(self, status: Status) -> list[LiveRequest]:
+        return [e for e in self._by_id.values() if e.status is status]
 
     @locked
     def admitted(self) -> int:

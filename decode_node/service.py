@@ -5,16 +5,17 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
+from common.engine.generation import Continuation, RequestHandle
 from common.engine.guided import GrammarCompiler
-from common.engine.scheduler import RequestHandle
+from common.engine.sampling import SamplingParams
 from common.errors import RequestError
 from common.serving.node_rpcs import NodeRpcs
 from common.serving.prompts import prompt_token_ids
-from common.serving.rpc_convert import chunk_to_proto, sampling_from_proto
+from common.serving.rpc_convert import chunk_to_proto, continuation_from_proto, sampling_from_proto
 from decode_node.node import DecodeNode
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -28,8 +29,11 @@ def _deadline(context: grpc.ServicerContext) -> float:
 
 
 class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, node: DecodeNode, draining: threading.Event | None = None) -> None:
+    def __init__(self, node: DecodeNode, draining: threading.Event | None = None,
+                 stop: Callable[[], None] = lambda: None) -> None:
+        """`stop` shuts the daemon down (after a Drain)."""
         super().__init__(node, draining)
+        self._stop = stop
         self.metrics = node.metrics
         self.grammars = GrammarCompiler(node.tokenizer, node.vocab_size)
 
@@ -75,7 +79,8 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         self.node.tracer.event(request.request_id, "received", rpc="StartGeneration")
         try:
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
-            handle = self.node.start_generation(request.request_id, request.kv_window_begin, params)
+            handle = self.node.start_generation(request.request_id, request.kv_window_begin, params, request.sampling,
+                                                self._continuation(request, params))
         except RequestError as exc:
             self._fail(context, "StartGeneration", exc)
         yield from self._stream("StartGeneration", handle, context, received)
@@ -88,10 +93,31 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             tokens = prompt_token_ids(request, self.node.tokenizer)
             handle = self.node.generate(rid, tokens, params, cancelled=lambda: not context.is_active(),
-                                        deadline=_deadline(context))
+                                        deadline=_deadline(context), sampling=request.sampling,
+                                        continuation=self._continuation(request, params))
         except RequestError as exc:
             self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)
+
+    def _continuation(self, request: pb.GenerateRequest | pb.StartGenerationRequest,
+                      params: SamplingParams) -> Continuation | None:
+        if not request.HasField("continuation"):
+            return None
+        return continuation_from_proto(request.continuation, params, self.node.vocab_size)
+
+    def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
+        try:
+            return self.node.migrate(request.request_id, request.target_address)
+        except RequestError as exc:
+            self._fail(context, "Migrate", exc)
+
+    def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        try:
+            moved = self.node.drain()
+        except RequestError as exc:
+            self._fail(context, "Drain", exc)
+        self._stop()  # relays the migrated streams to their end (drain_before_stop), then exits
+        return pb.DrainResponse(requests_migrated=moved)
 
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -105,15 +131,15 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         """Relay chunks until the request finishes (all of its parallel samples). A call
         cancelled at any point (even before this generator first runs, or while gRPC no longer
         pulls it) aborts the request."""
-        if not context.add_callback(lambda: self.node.scheduler.abort(handle.request_id)):
-            self.node.scheduler.abort(handle.request_id)  # the call already ended
+        if not context.add_callback(lambda: self.node.cancel(handle.request_id)):
+            self.node.cancel(handle.request_id)  # the call already ended
         first = None
         samples = 1
         while True:
             chunk = handle.next_chunk(timeout=0.5)
             if chunk is None:
                 if not context.is_active():
-                    self.node.scheduler.abort(handle.request_id)
+                    self.node.cancel(handle.request_id)
                     self.metrics.requests.labels(rpc, "cancelled").inc()
                     return
                 continue

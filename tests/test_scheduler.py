@@ -8,7 +8,8 @@ import torch
 
 from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
-from common.engine.scheduler import Chunk, RequestHandle, Scheduler, Usage
+from common.engine.generation import Chunk, RequestHandle, Usage
+from common.engine.scheduler import Scheduler
 from tests.helpers import random_ids
 from tests.reference import engine_greedy
 

@@ -24,7 +24,6 @@ from common.model.checkpoint import Checkpoint
 from common.model.config import ModelConfig
 
 
-
 @dataclass(frozen=True)
 class AttentionWindow:
     """Validated by ModelConfig, which it is made from."""

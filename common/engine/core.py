@@ -25,12 +25,11 @@ import torch
 
 from common.engine.attention_window import AttentionWindow
 from common.kv.events import KvEventLog
-from common.kv.pool import KVPool
-from common.kv.segments import RELEASED, slot_range, slots_at
 from common.kv.page_allocator import PageAllocator
+from common.kv.pool import KVPool
 from common.kv.prefix_cache import PrefixCache
+from common.kv.segments import RELEASED, slot_range, slots_at
 from common.model.llama import ForwardBatch, LlamaModel, SequenceSlice
-
 
 F = TypeVar("F", bound=Callable[..., Any])
 

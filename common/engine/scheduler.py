@@ -27,18 +27,20 @@ computes them all with logits at each, and the verifier emits the agreeing prefi
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 import torch
 
 from common.engine.core import Engine, Sequence, locked
+from common.engine.generation import Chunk, Continuation, Group, RequestHandle, Sample, Usage
 from common.engine.loop import EngineLoop
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
-from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
+from common.engine.speculative import SpeculativeConfig, Speculator
 from common.engine.step_budget import StepBudget
+from common.errors import FailedPrecondition, NotFound, Unavailable
 from common.kv.page_allocator import OutOfPages
 from common.model.detokenizer import IncrementalDetokenizer
 from common.model.tokenizer import Tokenizer
@@ -47,112 +49,13 @@ from common.tracing import Tracer
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed piece of parallel sample `index` (0 unless n > 1). The last chunk of each
-    sample has `finish_reason` set ("stop", "length", "abort" or "error"); the request's final
-    chunk, sent when its last sample finishes, also carries `usage` for all of them."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    # With finish_reason "error": a gRPC status name ("RESOURCE_EXHAUSTED", "INTERNAL") and why.
-    error_code: str | None = None
-    error: str | None = None
-    index: int = 0
-    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token, when the request asked for them
-    prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # in the request's first chunk, when asked
-
-    @property
-    def final(self) -> bool:
-        """Whether this is the stream's last chunk."""
-        return self.usage is not None
-
-    def followed_by(self, later: Chunk) -> Chunk:
-        """This unfinished chunk and the same sample's next chunk as one."""
-        return Chunk(self.token_ids + later.token_ids, self.text + later.text, later.finish_reason, later.usage,
-                     later.error_code, later.error, self.index, self.logprobs + later.logprobs,
-                     self.prompt_logprobs + later.prompt_logprobs)
-
-
 @dataclass(eq=False)
-class _Group:
-    """What the n samples of one request share."""
+class Detached:
+    """A request taken out of the step loop at a step boundary, its unfinished samples holding
+    their pages: what a migration moves. Its stream stays open (`group.send` feeds it)."""
 
-    request_id: str
-    params: SamplingParams
-    prompt_len: int
-    cached_tokens: int
-    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    unforked: bool = False  # samples 1..n-1 are still to fork from sample 0
-    running: int = 1  # samples not finished
-    completion_tokens: int = 0  # of the finished samples
-    prompt_logprobs: PromptLogprobs | None = None  # gathered while the prompt is computed, then sent once
-
-    @property
-    def scoring_prompt(self) -> bool:
-        """Whether the prompt is still being computed with logits at every position."""
-        return self.prompt_logprobs is not None and not self.prompt_logprobs.done
-
-    def take_prompt_logprobs(self) -> tuple[PositionLogprobs, ...]:
-        """The prompt's logprobs for the first chunk sent (nothing for later ones)."""
-        scored, self.prompt_logprobs = self.prompt_logprobs, None
-        return tuple(scored.entries) if scored is not None and scored.done else ()
-
-
-@dataclass(eq=False)  # compared by identity: two samples may hold equal fields
-class _Request:
-    """One generating sequence: a request, or one of its parallel samples."""
-
-    group: _Group
-    index: int
-    seq: Sequence
-    params: SamplingParams
-    sampler: Sampler
-    detok: IncrementalDetokenizer
-    num_generated: int = 0
-    spec: DraftState = field(default_factory=DraftState)
-
-    @property
-    def request_id(self) -> str:
-        return self.group.request_id
-
-
-class RequestHandle:
-    def __init__(self, request_id: str, outputs: queue.SimpleQueue) -> None:
-        self.request_id = request_id
-        self._outputs = outputs
-        self._held: Chunk | None = None  # taken from the queue but not mergeable into the last one
-
-    def next_chunk(self, timeout: float | None = None) -> Chunk | None:
-        """The next chunk, or None if none arrived within `timeout` seconds. The same sample's
-        chunks already waiting come merged into one: a speculative step emits several tokens at
-        once, and a reader that fell behind catches up in one message instead of one per token.
-        An error chunk is never merged, so the tokens before it are delivered first."""
-        chunk, self._held = self._held, None
-        if chunk is None:
-            try:
-                chunk = self._outputs.get(timeout=timeout)
-            except queue.Empty:
-                return None
-        while chunk.finish_reason is None:
-            try:
-                later = self._outputs.get_nowait()
-            except queue.Empty:
-                break
-            if later.index != chunk.index or later.finish_reason == "error":
-                self._held = later
-                break
-            chunk = chunk.followed_by(later)
-        return chunk
+    group: Group
+    samples: list[Sample]
 
 
 class Scheduler(EngineLoop):
@@ -171,8 +74,9 @@ class Scheduler(EngineLoop):
         self.step_budget = StepBudget(max_step_ms)  # bounds the prompt tokens a step carries next to decodes
         self.speculator = Speculator(speculative or SpeculativeConfig())
         self._on_finished = on_finished
-        self._active: list[_Request] = []  # admission order
+        self._active: list[Sample] = []  # admission order
         self._aborts: set[str] = set()
+        self._detaches: dict[str, Future[Detached]] = {}
 
     # ---- public API (any thread) ----
 
@@ -180,21 +84,93 @@ class Scheduler(EngineLoop):
         """Abort everything still running."""
         for r in list(self._active):
             self._finish(r, [], "", "abort")
+        for done in self._detaches.values():
+            done.set_exception(Unavailable("the node is shutting down"))
+        self._detaches.clear()
 
     def submit(self, request_id: str, seq: Sequence, params: SamplingParams) -> RequestHandle:
         """Queue `seq` (its first `num_computed` positions already in the pool) for generation."""
-        group = _Group(request_id, params, len(seq.token_ids), seq.num_cached, unforked=params.n > 1)
+        group = Group(request_id, params, len(seq.token_ids), seq.num_cached, unforked=params.n > 1)
         if params.prompt_logprobs is not None:
             assert seq.num_computed == 0, "prompt logprobs need the whole prompt computed here"
             group.prompt_logprobs = PromptLogprobs(list(seq.token_ids), params.prompt_logprobs)
-        r = self._sample(group, 0, seq)
+        return self._start([self._sample(group, 0, seq)], seq.num_computed)
+
+    def submit_continuation(self, request_id: str, seqs: list[Sequence], params: SamplingParams,
+                            continuation: Continuation) -> RequestHandle:
+        """Continue a generation begun elsewhere: `seqs[i]` holds the prompt and the output so far of
+        `continuation.samples[i]` (its first `num_computed` positions already in the pool)."""
+        first = continuation.samples[0]
+        group = Group(request_id, params, len(seqs[0].token_ids) - len(first.generated), continuation.cached_tokens,
+                      running=len(seqs), completion_tokens=continuation.finished_completion_tokens)
+        samples = []
+        for seq, state in zip(seqs, continuation.samples):
+            r = self._sample(group, state.index, seq, state.seed)
+            r.catch_up(list(state.generated), self.engine.model.config.vocab_size, self.engine.pool.data.device,
+                       state.random_state)
+            samples.append(r)
+        return self._start(samples, min(seq.num_computed for seq in seqs))
+
+    def _start(self, samples: list[Sample], computed: int) -> RequestHandle:
+        group = samples[0].group
         with self._wakeup:
             if self._stopped:
                 raise RuntimeError("the scheduler is shutting down")
-            self._active.append(r)
+            self._active.extend(samples)
             self.notify()
-        self.tracer.event(request_id, "generation_start", computed_tokens=seq.num_computed)
-        return RequestHandle(request_id, group.outputs)
+        self.tracer.event(group.request_id, "generation_start", computed_tokens=computed)
+        return RequestHandle(group.request_id, group.outputs)
+
+    def detach(self, request_id: str) -> Detached:
+        """Take a decoding request out of the loop at the next step boundary, pages and all (to
+        migrate it). Raises NotFound when it is not generating here (or finishes first), and
+        FailedPrecondition while a sample of it is not decoding (its prompt is being computed,
+        or its context recomputed after a preemption)."""
+        done: Future[Detached] = Future()
+        with self._wakeup:
+            if not any(r.request_id == request_id for r in self._active):
+                raise NotFound(f"request {request_id!r} is not generating on this node")
+            if request_id in self._detaches:
+                raise FailedPrecondition(f"request {request_id!r} is already being migrated")
+            self._detaches[request_id] = done
+            self.notify()
+        return done.result()
+
+    def resume(self, detached: Detached) -> None:
+        """Put a detached request back into the loop (its migration failed). It decodes on from its
+        pages, or, once they were released, first recomputes its context, usually from the prefix
+        cache."""
+        with self._wakeup:
+            self._active.extend(detached.samples)
+            self.notify()
+
+    @locked
+    def release(self, detached: Detached) -> None:
+        """Give a detached request's pages back, into the prefix cache (its new node has it)."""
+        for r in detached.samples:
+            self.engine.release(r.seq)
+
+    @locked
+    def end_detached(self, detached: Detached, reason: str) -> None:
+        """End a detached request here (aborted during its migration): each sample's last chunk."""
+        self._active.extend(detached.samples)
+        for r in list(detached.samples):
+            self._finish(r, [], "", reason)
+
+    @locked
+    def absorb(self, detached: Detached, chunk: Chunk) -> None:
+        """Bring a detached request up to a chunk its new node streamed, so that it can still be
+        resumed here from exactly that point."""
+        r = next((r for r in detached.samples if r.index == chunk.index), None)
+        if r is None:
+            return
+        r.seq.token_ids.extend(chunk.token_ids)
+        r.catch_up(chunk.token_ids, self.engine.model.config.vocab_size, self.engine.pool.data.device)
+        if chunk.finish_reason is not None:
+            detached.samples.remove(r)
+            self.engine.release(r.seq, cache=False)
+            r.group.running -= 1
+            r.group.completion_tokens += r.num_generated
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages; False if it is not running here."""
@@ -219,11 +195,12 @@ class Scheduler(EngineLoop):
     # ---- the loop ----
 
     def _has_work(self) -> bool:
-        return bool(self._active)
+        return bool(self._active or self._detaches)
 
     def _step(self) -> None:
         with self.lock:
             self._apply_aborts()
+            self._apply_detaches()
             work = self._plan_step()
         if not work:
             time.sleep(0.001)
@@ -272,10 +249,24 @@ class Scheduler(EngineLoop):
             self._finish(r, [], "", "abort")
         self._aborts.clear()
 
+    def _apply_detaches(self) -> None:
+        for request_id, done in self._detaches.items():
+            samples = [r for r in self._active if r.request_id == request_id]
+            if not samples:
+                done.set_exception(NotFound(f"request {request_id!r} finished before it could be migrated"))
+            elif not all(r.decoding for r in samples):
+                done.set_exception(FailedPrecondition(
+                    f"request {request_id!r} is still being prefilled (or recomputed after a preemption): "
+                    "migrate it once it decodes"))
+            else:
+                self._active = [r for r in self._active if r.request_id != request_id]
+                done.set_result(Detached(samples[0].group, samples))
+        self._detaches.clear()
+
     @locked
-    def _plan_step(self) -> list[tuple[_Request, int]]:
+    def _plan_step(self) -> list[tuple[Sample, int]]:
         """Pick this step's work and reserve its pages."""
-        work: list[tuple[_Request, int]] = []
+        work: list[tuple[Sample, int]] = []
         budget = self.max_batch_tokens
         decoding = [r for r in self._active if r.seq.num_pending == 1]
         prefilling = [r for r in self._active if r.seq.num_pending > 1]
@@ -305,7 +296,7 @@ class Scheduler(EngineLoop):
                        "the KV pool cannot hold this request; send a shorter prompt or fewer max_tokens")
         return work
 
-    def _reserve(self, r: _Request, n: int, planned: list[tuple[_Request, int]], preempt: bool = True) -> bool:
+    def _reserve(self, r: Sample, n: int, planned: list[tuple[Sample, int]], preempt: bool = True) -> bool:
         """Reserve pages for `n` more positions of `r`, preempting the newest requests not
         `planned` for this step if allowed."""
         while True:
@@ -319,7 +310,7 @@ class Scheduler(EngineLoop):
                     return False
                 self._preempt(victims[-1])
 
-    def _draft(self, r: _Request, budget: int) -> int:
+    def _draft(self, r: Sample, budget: int) -> int:
         """Append a speculative draft of at most `budget` tokens to decoding `r` if its pages fit
         without preempting anyone; returns its length."""
         seq, group = r.seq, r.group
@@ -338,7 +329,7 @@ class Scheduler(EngineLoop):
         r.spec.tokens = draft
         return len(draft)
 
-    def _verify(self, r: _Request, rows: torch.Tensor) -> None:
+    def _verify(self, r: Sample, rows: torch.Tensor) -> None:
         """Emit what `r`'s verified draft yields and give back its rejected positions' pages."""
         if r not in self._active:
             return
@@ -357,7 +348,7 @@ class Scheduler(EngineLoop):
             self.engine.truncate(r.seq)
             self.engine.trim_to_window(r.seq)
 
-    def _preempt(self, r: _Request) -> None:
+    def _preempt(self, r: Sample) -> None:
         log.info("preempting %s: KV pool full", r.request_id)
         # Its pages stay in the prefix cache; it re-attaches them when it is scheduled again.
         self.engine.release(r.seq)
@@ -365,11 +356,13 @@ class Scheduler(EngineLoop):
         self._active.remove(r)
         self._active.append(r)
 
-    def _sample(self, group: _Group, index: int, seq: Sequence) -> _Request:
+    def _sample(self, group: Group, index: int, seq: Sequence, seed: int | None = None) -> Sample:
         params = group.params.for_sample(index)
-        return _Request(group, index, seq, params, Sampler(params), IncrementalDetokenizer(self.tokenizer, params.stop))
+        if seed is not None:
+            params = replace(params, seed=seed)
+        return Sample(group, index, seq, params, Sampler(params), IncrementalDetokenizer(self.tokenizer, params.stop))
 
-    def _fork_samples(self, r: _Request) -> list[_Request]:
+    def _fork_samples(self, r: Sample) -> list[Sample]:
         """Samples 1..n-1 of `r`'s request, once its prompt is computed (none otherwise), placed
         after it in admission order. A sample that gets no page for its copy of the prompt's
         partial last page starts without KV and is recomputed, as a preempted one is."""
@@ -390,7 +383,7 @@ class Scheduler(EngineLoop):
         group.running += len(samples)
         return samples
 
-    def _emit_token(self, r: _Request, draw: Draw) -> None:
+    def _emit_token(self, r: Sample, draw: Draw) -> None:
         token = draw.token
         logprobs = () if draw.logprobs is None else (draw.logprobs,)
         r.seq.token_ids.append(token)
@@ -406,12 +399,12 @@ class Scheduler(EngineLoop):
         elif r.num_generated >= p.max_tokens or len(r.seq.token_ids) >= self.engine.model.config.max_position_embeddings:
             reason = "length"
         if reason is None:
-            r.group.outputs.put(Chunk([token], text, index=r.index, logprobs=logprobs,
-                                      prompt_logprobs=r.group.take_prompt_logprobs()))
+            r.group.send(Chunk([token], text, index=r.index, logprobs=logprobs,
+                                  prompt_logprobs=r.group.take_prompt_logprobs()))
         else:
             self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs)
 
-    def _finish(self, r: _Request, tokens: list[int], text: str, reason: str,
+    def _finish(self, r: Sample, tokens: list[int], text: str, reason: str,
                 error_code: str | None = None, error: str | None = None,
                 logprobs: tuple[PositionLogprobs, ...] = ()) -> None:
         """End one sample and free its pages (exactly once: it leaves `_active` here). The
@@ -429,10 +422,10 @@ class Scheduler(EngineLoop):
             self.tracer.event(r.request_id, "finished", finish_reason=reason,
                               completion_tokens=group.completion_tokens)
             self._on_finished(r.request_id, reason)
-        group.outputs.put(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
-                                group.take_prompt_logprobs()))
+        group.send(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
+                         group.take_prompt_logprobs()))
 
-    def _fail(self, r: _Request, code: str, message: str) -> None:
+    def _fail(self, r: Sample, code: str, message: str) -> None:
         """Fail `r`'s request: every sample of it ends with the error."""
         for sample in [s for s in self._active if s.group is r.group]:
             self._finish(sample, [], "", "error", code, message)

@@ -69,6 +69,16 @@ class GrpcDaemon:
         self._stop = threading.Event()
         self.draining = threading.Event()  # set when shutdown begins: long-lived streams end
         self._fronts: list[Front] = []
+        self._before_stop: list[Callable[[], None]] = []
+
+    def request_stop(self) -> None:
+        """Shut down as on SIGTERM."""
+        self._stop.set()
+
+    def before_stop(self, callback: Callable[[], None]) -> None:
+        """Run `callback` when shutdown begins, while the server still serves (a decode node moving
+        its running requests elsewhere), before in-flight calls get --drain-seconds to end."""
+        self._before_stop.append(callback)
 
     def add_front(self, front: Front) -> None:
         """Start `front` once gRPC serves; stop it (no new requests) when shutdown begins."""
@@ -103,6 +113,8 @@ class GrpcDaemon:
         for front in self._fronts:
             front.stop()
         started = time.monotonic()
+        for callback in self._before_stop:
+            callback()
         self.server.stop(grace_seconds).wait()
         if on_shutdown is not None:
             on_shutdown()

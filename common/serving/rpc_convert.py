@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
+
+from common.engine.generation import Chunk, Continuation, SampleState, Usage
 from common.engine.guided import GrammarCompiler
-from common.engine.sampling import PositionLogprobs, SamplingParams
-from common.engine.scheduler import Chunk
+from common.engine.sampling import PositionLogprobs, SamplingParams, TokenLogprob
 from common.errors import InvalidArgument
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -61,3 +63,61 @@ def _logprobs_to_proto(positions: Iterable[PositionLogprobs],
 
     return [pb.PositionLogprobs(token=entry(p.token.token_id, p.token.logprob),
                                 top=[entry(t.token_id, t.logprob) for t in p.top]) for p in positions]
+
+
+def chunk_from_proto(msg: pb.GenerationChunk) -> Chunk:
+    """A chunk another node streamed (a migrated request's, relayed to its client)."""
+    usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens) \
+        if msg.HasField("usage") else None
+    return Chunk(list(msg.token_ids), msg.text, msg.finish_reason or None, usage, index=msg.index,
+                 logprobs=_logprobs_from_proto(msg.logprobs), prompt_logprobs=_logprobs_from_proto(msg.prompt_logprobs))
+
+
+def _logprobs_from_proto(positions: Iterable[pb.PositionLogprobs]) -> tuple[PositionLogprobs, ...]:
+    def entry(t: pb.TokenLogprob) -> TokenLogprob:
+        return TokenLogprob(t.token_id, t.logprob if t.HasField("logprob") else None)
+
+    return tuple(PositionLogprobs(entry(p.token), tuple(entry(t) for t in p.top)) for p in positions)
+
+
+def continuation_to_proto(continuation: Continuation) -> pb.Continuation:
+    return pb.Continuation(
+        samples=[pb.SampleContinuation(
+            index=s.index, generated_token_ids=s.generated, seed=s.seed,
+            random_state=b"" if s.random_state is None else s.random_state.numpy().tobytes())
+            for s in continuation.samples],
+        cached_tokens=continuation.cached_tokens, finished_completion_tokens=continuation.finished_completion_tokens)
+
+
+def continuation_from_proto(msg: pb.Continuation, params: SamplingParams, vocab_size: int) -> Continuation:
+    """Validated against the request's sampling parameters: INVALID_ARGUMENT says what is wrong."""
+    indices = [s.index for s in msg.samples]
+    if not indices:
+        raise InvalidArgument("continuation.samples is empty: send the samples still generating")
+    if len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
+        raise InvalidArgument(f"continuation.samples: indices {indices} must be distinct, in [0, n={params.n})")
+    if params.prompt_logprobs is not None:
+        raise InvalidArgument("a continuation cannot score its prompt: leave sampling.prompt_logprobs unset "
+                              "(the first node sent them)")
+    for s in msg.samples:
+        if len(s.generated_token_ids) >= max(params.max_tokens, 1):
+            raise InvalidArgument(f"continuation sample {s.index} has {len(s.generated_token_ids)} tokens: "
+                                  f"nothing is left of max_tokens {params.max_tokens}")
+        bad = next((t for t in s.generated_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"continuation sample {s.index}: token id {bad} is outside the vocabulary")
+    if msg.cached_tokens < 0 or msg.finished_completion_tokens < 0:
+        raise InvalidArgument("continuation: cached_tokens and finished_completion_tokens must be >= 0")
+    return Continuation(
+        tuple(SampleState(s.index, tuple(s.generated_token_ids), s.seed if s.HasField("seed") else None,
+                          _random_state(s.random_state)) for s in msg.samples),
+        msg.cached_tokens, msg.finished_completion_tokens)
+
+
+def _random_state(data: bytes) -> torch.Tensor | None:
+    if not data:
+        return None
+    expected = torch.Generator().get_state().numel()
+    if len(data) != expected:
+        raise InvalidArgument(f"continuation: random_state has {len(data)} bytes where {expected} are expected")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -236,14 +236,16 @@ class Continuation(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[SampleContinuation, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., finished_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SampleContinuation(_message.Message):
-    __slots__ = ("index", "generated_token_ids", "seed")
+    __slots__ = ("index", "generated_token_ids", "seed", "random_state")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RANDOM_STATE_FIELD_NUMBER: _ClassVar[int]
     index: int
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, index: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    random_state: bytes
+    def __init__(self, index: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., random_state: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "prompt", "messages", "sampling", "tools", "continuation")

@@ -1,0 +1,267 @@
+"""Live migration: a running request moves to another decode node mid-stream, and its client's
+stream does not break. The hand-off of the three calls, pointed decode to decode.
+
+The source (this node) takes the request out of its scheduler at a step boundary, pages and all
+(`Scheduler.detach`). It asks the target to PrepareReceive each sample's context: the prompt plus
+the tokens generated so far but the last, whose KV the target lacks beyond its own prefix cache.
+It writes that KV into the reserved slots with the `KvWriter` a prefill node uses, over the same
+transport, layer by layer, then calls StartGeneration with the generation's `Continuation`
+(sampling state, output so far, random streams). The target's first chunk confirms it: the source
+gives its pages back (into its prefix cache) and relays the target's chunks on the stream its
+client holds, under the same request id.
+
+Failures: a target that fails before confirming leaves the request decoding here, from its own
+pages, as if nothing happened; a target that dies later leaves it here too, from the tokens
+relayed so far (its context recomputed, mostly from the prefix cache). A source that dies leaves
+the target's reservations to their lease, fenced like a dead prefill node's. An Abort (or a
+cancelled client) during a migration ends the request on both nodes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.daemon_limits import check_request_id
+from common.engine.core import Engine, Sequence
+from common.engine.generation import Chunk, Continuation
+from common.engine.scheduler import Detached, Scheduler
+from common.errors import FailedPrecondition, InvalidArgument, NotFound, RequestError, Unavailable
+from common.kv.segments import Segments, slot_range
+from common.peers.decode_peers import DecodePeer
+from common.peers.kv_writer import KvWriter
+from common.serving.incarnation import INCARNATION
+from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto
+from common.tracing import Tracer
+from common.transports.pieces import plan_pieces
+from decode_node.config import DecodeNodeConfig
+from decode_node.metrics import DecodeMetrics
+from decode_node.request_table import LiveRequest, RequestTable, Status
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# The target's stream broke without an answer of its own: the target (or the way to it) is gone.
+_TARGET_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
+def sample_request_id(request_id: str, index: int, position: int) -> str:
+    """The id a migrating sample's KV is reserved under on the target: the request's own for the
+    first sample moved, "<request_id>#<index>" for the others."""
+    return request_id if position == 0 else f"{request_id}#{index}"
+
+
+@dataclass(eq=False)
+class _Migration:
+    entry: LiveRequest
+    target: str
+    reason: str
+    detached: Detached | None = None
+    call: grpc.Future | None = None  # the target's StartGeneration stream
+    reserved: list[str] = field(default_factory=list)  # sample reservations made on the target
+    aborted: bool = False
+
+
+class Migrations:
+    def __init__(self, config: DecodeNodeConfig, engine: Engine, scheduler: Scheduler, requests: RequestTable,
+                 writer: KvWriter, metrics: DecodeMetrics, tracer: Tracer) -> None:
+        self.config = config
+        self.engine = engine
+        self.lock = engine.lock
+        self.scheduler = scheduler
+        self.requests = requests
+        self.writer = writer
+        self.metrics = metrics
+        self.tracer = tracer
+        self._live: dict[str, _Migration] = {}
+        self._idle = threading.Condition(engine.lock)  # notified when a migration ends
+
+    def target_load(self, target: str) -> pb.NodeLoad:
+        """The target's load; INVALID_ARGUMENT for a malformed address or this node itself."""
+        if not target or ":" not in target:
+            raise InvalidArgument(f"target_address {target!r} must be host:port")
+        try:
+            with self.writer.tls.channel(target) as channel:
+                load = duet_pb2_grpc.DecodeNodeStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5.0)
+        except grpc.RpcError as exc:
+            raise Unavailable(f"target decode node {target} is unreachable: {exc.details()}") from None
+        if load.incarnation == INCARNATION:
+            raise InvalidArgument(f"target_address {target} is this decode node: name another one")
+        return load
+
+    def migrate(self, request_id: str, target: str, reason: str = "rpc") -> pb.MigrateResponse:
+        """Move running request `request_id` to the decode node at `target`; returns once the
+        target confirmed (its first chunk), and relays the rest in the background."""
+        check_request_id(request_id)
+        self.target_load(target)
+        peer = self.writer.peers.get(target)  # the handshake: an incompatible target is FAILED_PRECONDITION
+        with self.lock:
+            entry = self.requests.get(request_id)
+            if entry is None:
+                raise NotFound(f"no live request {request_id!r} on this node")
+            if entry.status is not Status.RUNNING or entry.sampling is None:
+                raise FailedPrecondition(f"request {request_id!r} is {entry.status.value}: only a running request "
+                                         "moves (one being handed off or prefilled moves once it decodes)")
+            m = self._live[request_id] = _Migration(entry, target, reason)
+            self.requests.move(entry, Status.MIGRATING)
+        self.tracer.event(request_id, "migration_started", target=target, reason=reason)
+        try:
+            m.detached = self.scheduler.detach(request_id)
+        except RequestError:
+            self._end(m, "failed", resume=False)
+            raise
+        started = time.perf_counter()
+        try:
+            response, first = self._hand_over(m, peer)
+        except BaseException as exc:
+            self._clean_target(m, peer)
+            if m.aborted:
+                self._end(m, "aborted", resume=False)
+                raise RequestError(f"request {request_id!r} was aborted during its migration",
+                                   grpc.StatusCode.ABORTED) from None
+            self._end(m, "failed", resume=True)
+            if isinstance(exc, grpc.RpcError):
+                raise RequestError.from_rpc(exc, f"target decode node {target}") from None
+            raise
+        response.pause_seconds = time.perf_counter() - (m.detached.group.last_sent or started)
+        self.scheduler.release(m.detached)
+        self.metrics.migration_pause.observe(response.pause_seconds)
+        self.metrics.migration_tokens.inc(response.tokens_moved)
+        self.tracer.event(request_id, "migrated", target=target, tokens_moved=response.tokens_moved,
+                          prefix_matched=response.prefix_matched_length, pause_s=round(response.pause_seconds, 4))
+        threading.Thread(target=self._relay, args=(m, first), name=f"relay-{request_id[:16]}", daemon=True).start()
+        return response
+
+    def abort(self, request_id: str) -> bool:
+        """End a migrating request on both nodes; False if `request_id` is not migrating."""
+        with self.lock:
+            m = self._live.get(request_id)
+            if m is None:
+                return False
+            m.aborted = True
+            call = m.call
+        if call is not None:
+            call.cancel()  # the target's stream ends: it aborts the request there
+        return True
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return len(self._live)
+
+    def wait_idle(self) -> None:
+        """Until no migration or relay is in progress."""
+        with self._idle:
+            while self._live:
+                self._idle.wait()
+
+    def _hand_over(self, m: _Migration, peer: DecodePeer) -> tuple[pb.MigrateResponse, pb.GenerationChunk]:
+        """Reserve on the target, write the KV, start it there; the response and its first chunk."""
+        request_id, d = m.entry.request_id, m.detached
+        deadline = time.monotonic() + self.config.lease_seconds
+        response = pb.MigrateResponse()
+        first_end = 0
+        for position, sample in enumerate(d.samples):
+            self._check_aborted(m)
+            rid = sample_request_id(request_id, sample.index, position)
+            prep = peer.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=sample.seq.token_ids),
+                                            timeout=max(0.1, deadline - time.monotonic()))
+            m.reserved.append(rid)
+            if position == 0:
+                first_end, response.prefix_matched_length = prep.kv_window_end, prep.prefix_matched_length
+            if prep.kv_window_end > prep.kv_window_begin:
+                self._push(peer, rid, prep, sample.seq, deadline)
+                response.tokens_moved += prep.kv_window_end - prep.kv_window_begin
+        self._check_aborted(m)
+        continuation = Continuation(tuple(s.state() for s in d.samples), d.group.cached_tokens,
+                                    d.group.completion_tokens)
+        with self.lock:
+            m.call = peer.stub.StartGeneration(pb.StartGenerationRequest(
+                request_id=request_id, kv_window_begin=first_end, sampling=m.entry.sampling,
+                continuation=continuation_to_proto(continuation)))
+        self._check_aborted(m)
+        return response, next(m.call)
+
+    def _push(self, peer: DecodePeer, rid: str, prep: pb.PrepareReceiveResponse, seq: Sequence,
+              deadline: float) -> None:
+        """Write positions [kv_window_begin, kv_window_end) of `seq` into the target's reservation."""
+        begin, end = prep.kv_window_begin, prep.kv_window_end
+        metadata = list(prep.kv_append_metadata)
+        dst = Segments.from_wire(metadata, end - begin, num_slots=peer.info.num_slots)
+        src = slot_range(seq.pages, self.engine.page_size, begin, end)
+        job = self.writer.begin(peer, rid, prep.transfer_nonce, metadata, deadline)
+        try:
+            pieces = plan_pieces(src, dst)
+            for layer in range(self.engine.pool.num_layers):
+                job.transfer.post_layer(layer, pieces)
+            self.writer.finish(job, src, deadline)
+        except BaseException:
+            self.writer.fail(job)
+            raise
+
+    def _check_aborted(self, m: _Migration) -> None:
+        if m.aborted:
+            raise RequestError(f"request {m.entry.request_id!r} was aborted during its migration",
+                               grpc.StatusCode.ABORTED)
+
+    def _clean_target(self, m: _Migration, peer: DecodePeer) -> None:
+        """Best effort: end whatever the failed migration left on the target (its lease would)."""
+        if m.call is not None:
+            m.call.cancel()
+        for rid in m.reserved:
+            try:
+                peer.stub.Abort(pb.AbortRequest(request_id=rid), timeout=2.0)
+            except grpc.RpcError:
+                pass  # gone, claimed or expired already
+
+    def _relay(self, m: _Migration, first: pb.GenerationChunk) -> None:
+        """Relay the target's chunks to the client's stream until the request ends there."""
+        d = m.detached
+        msg = first
+        try:
+            while True:
+                chunk = chunk_from_proto(msg)
+                self.scheduler.absorb(d, chunk)
+                d.group.send(chunk)
+                if chunk.final:
+                    self._end(m, "aborted" if chunk.finish_reason == "abort" else "migrated", resume=False)
+                    return
+                msg = next(m.call)
+        except (grpc.RpcError, StopIteration) as exc:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+            if m.aborted:
+                self._end(m, "aborted", resume=False)
+            elif code in _TARGET_GONE:
+                log.warning("migration target failed mid-stream: resuming here", extra={"fields": {
+                    "request_id": m.entry.request_id, "target": m.target, "code": code.name}})
+                self._end(m, "resumed", resume=True)
+            else:  # the target's own verdict on the request (RESOURCE_EXHAUSTED, ...): the client's too
+                d.group.send(Chunk([], "", "error", error_code=code.name, error=exc.details()))
+                self._end(m, "failed", resume=False, end=Status.ABORTED)
+
+    def _end(self, m: _Migration, outcome: str, resume: bool, end: Status | None = None) -> None:
+        """The migration is over: the request decodes on here (`resume`), or was aborted (its
+        samples end here too), or ended on the target (`end`, or by its final chunk)."""
+        d, entry = m.detached, m.entry
+        with self.lock:
+            self._live.pop(entry.request_id, None)
+            self._idle.notify_all()
+            live = self.requests.get(entry.request_id) is entry
+            if d is not None and outcome == "aborted":
+                self.scheduler.end_detached(d, "abort")  # the last sample's end ends the entry
+                if self.requests.get(entry.request_id) is entry:
+                    self.requests.move(entry, Status.ABORTED)
+            elif resume and d is not None and live:
+                self.requests.move(entry, Status.RUNNING)
+                self.scheduler.resume(d)
+            elif live and d is None:
+                self.requests.move(entry, Status.RUNNING)  # detach refused: it decodes on
+            elif live:
+                self.requests.move(entry, end or Status.FINISHED)
+        self.metrics.migrations.labels(m.reason, outcome).inc()
+        if outcome != "migrated":
+            self.tracer.event(entry.request_id, "migration_ended", outcome=outcome, target=m.target)
