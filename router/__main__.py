@@ -3,7 +3,8 @@
 Serves duet.v1.DecodeNode/Generate and runs the hand-off over its pools, choosing nodes per
 `--routing` (common/peers/routing.py) from their load and, by default, their KV events. Membership can change
 while it runs: with `--members FILE` (JSON `{"decode": [...], "prefill": [...]}`) the file is
-re-read whenever it changes.
+re-read whenever it changes. A decode node that dies mid-stream has its requests continued on
+another (`--migration-limit`, router/continuation.py).
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=32)
     p.add_argument("--poll-seconds", type=float, default=1.0, help="health/load polling period")
+    p.add_argument("--migration-limit", type=int, default=1, metavar="N",
+                   help="how many times one request may be continued on another decode node after its decode "
+                   "node died mid-stream, from the tokens already streamed; 0: the break reaches the client as "
+                   "UNAVAILABLE (default %(default)s)")
     add_routing_args(p, "the decode node and the prefill node of each request")
     add_tls_args(p)
     add_openai_args(p)
@@ -52,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.api_key and args.openai_port is None:
         p.error("--api-key guards the HTTP API: give --openai-port too")
+    if args.migration_limit < 0:
+        p.error(f"--migration-limit must be >= 0 (0 turns continuation after a decode node's crash off), "
+                f"got {args.migration_limit}")
     args.tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
     try:
         args.tls.validate()
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     index = KvIndex() if args.policy.mode == "prefix" else None
     watch = KvWatch(decode, index, retry_seconds=args.poll_seconds) if index is not None else None
     router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill,
-                    NodeChooser(args.policy, index), args.min_remote_prefill_tokens)
+                    NodeChooser(args.policy, index), args.min_remote_prefill_tokens, args.migration_limit)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
     if args.openai_port is not None:
         attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model,

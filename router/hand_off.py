@@ -7,7 +7,9 @@ node lacks (RemoteSend, retried on another prefill node if one fails before the 
 stream StartGeneration. Short uncached remainders, no healthy prefill node, or a failed hand-off
 fall back to the decode node's own Generate (local prefill). A decode node that is unreachable
 before the request's first chunk (stopped, restarting) is marked failed and the next one is
-tried, so a node going away costs no request that had not started streaming.
+tried, so a node going away costs no request that had not started streaming. One that dies
+mid-stream is marked failed too, and the next node continues the request from what the client
+already received (router/continuation.py), up to `migration_limit` times per request.
 """
 from __future__ import annotations
 
@@ -23,22 +25,30 @@ from common.model.tokenizer import Tokenizer
 from common.peers.hand_off import hand_off, worth_remote
 from common.peers.membership import Member, Membership
 from common.peers.prefill_pool import PrefillPool
-from common.peers.routing import NodeChooser
+from common.peers.routing import Choice, NodeChooser
 from common.serving.prompts import prompt_token_ids
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
+from router.continuation import NODE_GONE_CODES, Relayed
 
 log = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_S = 1.0  # for a decode node whose stream broke with INTERNAL or UNKNOWN to answer GetLoad
 
 
 class Router:
     def __init__(self, tokenizer: Tokenizer, decode: Membership[duet_pb2_grpc.DecodeNodeStub], prefill: PrefillPool,
-                 chooser: NodeChooser, min_remote_prefill_tokens: int = 32) -> None:
+                 chooser: NodeChooser, min_remote_prefill_tokens: int = 32, migration_limit: int = 1) -> None:
+        """`migration_limit`: how many times one request may be continued on another decode node
+        after its node died mid-stream (0: the break reaches the client)."""
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self.tokenizer = tokenizer
         self.decode = decode
         self.prefill = prefill
         self.chooser = chooser
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
+        self.migration_limit = migration_limit
         self.registry = CollectorRegistry()
         self.routed = Counter("duet_router_requests", "Requests by how their prompt was prefilled "
                               "(remote: by a prefill node; local: by the decode node)", ["prefill"],
@@ -47,6 +57,11 @@ class Router:
                                      "node was believed to hold in its prefix cache", registry=self.registry)
         self.retries = Counter("duet_router_retries", "Requests sent to another decode node because the chosen "
                                "one was unreachable before the first chunk", registry=self.registry)
+        self.migrations = Counter(
+            "duet_migrations", "Requests whose decode node died mid-stream (reason crash), by outcome (continued: "
+            "re-issued to another decode node with the tokens streamed so far; failed: the break reached the "
+            "client, past --migration-limit or with no other healthy decode node)", ["reason", "outcome"],
+            registry=self.registry)
         if chooser.index is not None:
             index = chooser.index
             Gauge("duet_router_kv_index_blocks", "KV blocks the router believes the decode nodes hold, summed "
@@ -59,31 +74,80 @@ class Router:
     def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerationChunk]:
         tokens = prompt_token_ids(request, self.tokenizer)
         rid = request.request_id or uuid.uuid4().hex
-        ranked = self.chooser.rank(self.decode.healthy(), tokens)
-        if not ranked:
+        relayed = Relayed(request.sampling)
+        tried: set[str] = set()  # each decode node serves a request once
+        choices = self._candidates(tokens, tried)
+        if not choices:
             raise Unavailable("no healthy decode node")
-        for attempt, choice in enumerate(ranked):
+        while True:
+            choice = choices[0]
             dn = choice.member
+            tried.add(dn.address)
             dn.in_flight += 1
             self.chooser.note_routed(dn, tokens)
-            streamed = False
             try:
-                for chunk in self._run(dn, choice.cached_tokens, rid, tokens, request.sampling):
-                    streamed = True
+                if relayed.started:
+                    stream = dn.stub.Generate(relayed.continue_request(rid, tokens, request.sampling))
+                else:
+                    relayed.cached_tokens = choice.cached_tokens
+                    stream = self._run(dn, choice.cached_tokens, rid, tokens, request.sampling)
+                for chunk in stream:
+                    relayed.record(chunk)
                     yield chunk
                 self.expected_hits.inc(choice.cached_tokens)
                 return
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if not self._node_gone(dn, exc):
                     raise
                 self.decode.mark_failed(dn)
-                if streamed or attempt == len(ranked) - 1:
-                    raise
-                self.retries.inc()
-                log.info("decode node unavailable: trying the next", extra={"fields": {
-                    "decode": dn.address, "request_id": rid, "details": exc.details()}})
+                if relayed.done:
+                    return  # it died after sending its final chunk: the client has it all
+                choices = self._candidates(tokens, tried)
+                self._after_break(dn, exc, rid, relayed, choices)
             finally:
                 dn.in_flight -= 1
+
+    def _after_break(self, dn: Member, exc: grpc.RpcError, rid: str, relayed: Relayed, choices: list[Choice]) -> None:
+        """`dn` went away during the request: raise if the request ends here, else count what its
+        next attempt, on `choices[0]`, is (a retry before any chunk, or a continuation)."""
+        fields = {"decode": dn.address, "request_id": rid, "code": exc.code().name, "details": exc.details()}
+        if not relayed.started:
+            if not choices:
+                raise exc
+            self.retries.inc()
+            log.info("decode node unavailable: trying the next", extra={"fields": fields})
+            return
+        if relayed.continuations >= self.migration_limit or not choices:
+            self.migrations.labels("crash", "failed").inc()
+            why = (f"it was continued {relayed.continuations} time(s) and --migration-limit is {self.migration_limit}"
+                   if choices else "no other healthy decode node is left to continue it")
+            log.warning("decode node failed mid-stream: not continued", extra={"fields": {**fields, "why": why}})
+            raise Unavailable(f"decode node {dn.address} failed mid-stream ({exc.code().name}: {exc.details()}); "
+                              f"the request was not continued elsewhere: {why}") from None
+        relayed.continuations += 1
+        self.migrations.labels("crash", "continued").inc()
+        log.warning("decode node failed mid-stream: continuing on the next", extra={"fields": {
+            **fields, "next": choices[0].member.address, "chunks_relayed": relayed.chunks}})
+
+    def _candidates(self, tokens: list[int], tried: set[str]) -> list[Choice]:
+        """The healthy decode nodes not tried yet for this request, best first."""
+        return [c for c in self.chooser.rank(self.decode.healthy(), tokens) if c.member.address not in tried]
+
+    def _node_gone(self, dn: Member, exc: grpc.RpcError) -> bool:
+        """Whether `exc` ended the stream because `dn` (or the way to it) went away, rather than
+        being the node's own verdict on the request, which another node would repeat. UNAVAILABLE
+        is taken as gone; INTERNAL or UNKNOWN (a reset stream) only when the node does not answer
+        GetLoad now either."""
+        code = exc.code()
+        if code not in NODE_GONE_CODES:
+            return False
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return True
+        try:
+            dn.stub.GetLoad(pb.GetLoadRequest(), timeout=_PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return True
+        return False
 
     def _run(self, dn: Member, cached: int, rid: str, tokens: list[int],
              sampling: pb.SamplingParams) -> Iterator[pb.GenerationChunk]:
