@@ -23,6 +23,11 @@ once its prompt is computed, without drawing a token.
 Speculative decoding (`--speculative ngram`, common/engine/speculative.py): a decoding sequence may
 append a draft to its pending token when its pages fit without preempting anyone; the step
 computes them all with logits at each, and the verifier emits the agreeing prefix plus one.
+
+Migration (decode_node/migration.py): `detach` takes a decoding request out of the loop at a step
+boundary with its pages, for another node to continue; `resume` puts it back when that fails.
+`submit_continuation` is the other side: a generation begun elsewhere continues here, each
+sample first catching up on its output so far (common/engine/generation.py `Sample.catch_up`).
 """
 from __future__ import annotations
 
