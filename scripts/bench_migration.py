@@ -179,7 +179,8 @@ def bench(transport: str, contexts: list[int], repeats: int, dtype: str, tmp: Pa
                 m = measure(a, b, context, seed, f"{transport}-{context}-{i}", max_tokens, migrate_after)
                 done.append(m)
                 print(f"  {transport} {context:5d} tok #{i}: pause {m.pause_ms:.0f} ms "
-                      f"(node: {m.pause_seconds_ms:.0f}), Migrate {m.migrate_call_ms:.0f} ms, {m.tokens_moved} positions moved after {m.generated} "
+                      f"(node: {m.pause_seconds_ms:.0f}), Migrate {m.migrate_call_ms:.0f} ms, "
+                      f"{m.tokens_moved} positions moved after {m.generated} "
                       f"tokens, re-prefill {m.reprefill_ms:.0f} ms, ITL {m.itl_ms:.0f} ms, "
                       f"{'exact' if m.exact else 'NOT EXACT'}", flush=True)
             med = lambda f: statistics.median(f(m) for m in done)  # noqa: E731
