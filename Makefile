@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_engine
 	$(PY) -m scripts.bench_prepare_receive
 	$(PY) -m scripts.bench_transfer
+	$(PY) -m scripts.bench_migration
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
 	$(PY) -m scripts.bench_colocated
 
