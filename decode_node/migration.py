@@ -45,6 +45,8 @@ from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+PREPARE_TIMEOUT_S = 5.0  # a target that cannot reserve by then is full: the request decodes on here
+
 # The target's stream broke without an answer of its own: the target (or the way to it) is gone.
 _TARGET_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
@@ -168,8 +170,9 @@ class Migrations:
         for position, sample in enumerate(d.samples):
             self._check_aborted(m)
             rid = sample_request_id(request_id, sample.index, position)
+            # Not waiting in a full target's admission queue: the stream is paused meanwhile.
             prep = peer.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=sample.seq.token_ids),
-                                            timeout=max(0.1, deadline - time.monotonic()))
+                                            timeout=min(PREPARE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
             m.reserved.append(rid)
             if position == 0:
                 first_end, response.prefix_matched_length = prep.kv_window_end, prep.prefix_matched_length
