@@ -30,7 +30,8 @@ prefill node posts 300 per-layer writes per request):
   (CompleteTransfer done, before StartGeneration). The aborted request does not complete, by
   design; its StartGeneration must be NOT_FOUND.
 - `kill-dn-mid-stream`: Generate with 64 tokens; SIGKILL the decode node after 4 streamed tokens.
-  The stream breaks with UNAVAILABLE: continuing it needs issue #28 (not built).
+  A client of the decode node itself sees its stream break with UNAVAILABLE; through the router
+  (`--migration-limit`, tests/test_crash_continuation.py) it continues on another decode node.
 
 Usage: python -m scripts.chaos [--transports nixl,tcp] [--cells a,b] [--json FILE] [--log-dir DIR]
 """
@@ -382,7 +383,7 @@ CELLS = [
     Cell("abort-after-complete", "Abort after CompleteTransfer", CALLS,
          "after RemoteSend returned", _abort_on(None)),
     Cell("kill-dn-mid-stream", "SIGKILL decode node mid-stream", GEN,
-         "after 4 streamed tokens", kill_dn_mid_stream, needs="needs #28"),
+         "after 4 streamed tokens", kill_dn_mid_stream, needs="a router continues it"),
 ]
 
 
