@@ -10,13 +10,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node
-from tests.helpers import call_status, random_ids, wait_clean
+from scripts.local_daemons import Daemon
+from tests.helpers import Started, call_status, random_ids, wait_clean
 
 FLAGS = ("--dtype", "float32", "--speculative", "ngram", "--num-speculative-tokens", "4", "--lease-seconds", "5",
          "--quarantine-seconds", "8")
@@ -35,13 +36,36 @@ def person_schema() -> pb.GuidedDecoding:
                              '"age": {"type": "integer"}}, "required": ["name", "age"]}')
 
 
+@dataclass
+class Nodes:
+    a: Daemon  # the source of most migrations
+    b: Daemon  # their target
+    spare: Daemon  # killed by one test: tcp, a target that dies; nixl, a source that dies
+    transport: str
+    other: Daemon | None = None  # tcp: a bfloat16 node, which a float32 node must refuse as a target
+    draining: Daemon | None = None  # tcp: a node started with --drain-to a and b
+
+
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def pair(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"migration-{request.param}")
-    flags = (*FLAGS, "--transport", request.param)
-    with decode_node(tmp, *flags) as a, decode_node(tmp, *flags) as b:
-        a.flags = b.flags = flags
-        yield a, b
+def nodes(request, tmp_path_factory):
+    """The decode nodes of one transport, started side by side (their model loads overlap)."""
+    transport = request.param
+    flags = (*FLAGS, "--transport", transport)
+    with Started(tmp_path_factory.mktemp(f"migration-{transport}")) as s:
+        a, b, spare = (s.spawn("decode_node", *flags) for _ in range(3))
+        n = Nodes(a, b, spare, transport)
+        if transport == "tcp":
+            n.other = s.spawn("decode_node", "--dtype", "bfloat16", "--transport", "tcp")
+            n.draining = s.spawn("decode_node", *flags, "--drain-to", a.address, "--drain-to", b.address)
+        s.wait()
+        yield n
+
+
+@pytest.fixture
+def pair(nodes):
+    """The source and target; both hold nothing when the test ends."""
+    yield nodes.a, nodes.b
+    wait_clean(nodes.a, nodes.b)
 
 
 class Outcome:
@@ -110,7 +134,6 @@ def test_migrated_stream_is_identical(pair, case):
     assert moved.same_output(reference), (case, reference.tokens, moved.tokens)
     if case == "guided-json":
         assert moved.text[0].lstrip().startswith("{")
-    wait_clean(a, b)
 
 
 def test_stop_string_after_the_migration_ends_the_stream_there(pair):
@@ -125,7 +148,6 @@ def test_stop_string_after_the_migration_ends_the_stream_there(pair):
     moved = run(a, "stop-moved", pb.GenerateRequest().FromString(request.SerializeToString()), migrate_to=b)
     assert reference.finish[0] == "stop" and stop not in reference.text[0]
     assert moved.same_output(reference)
-    wait_clean(a, b)
 
 
 def test_the_request_keeps_its_id_and_both_traces_and_metrics_show_it(pair):
@@ -139,7 +161,6 @@ def test_the_request_keeps_its_id_and_both_traces_and_metrics_show_it(pair):
     text = a.metrics_text()
     assert 'duet_migrations_total{outcome="migrated",reason="rpc"}' in text
     assert "duet_migration_pause_seconds_count" in text and "duet_migration_tokens_total" in text
-    wait_clean(a, b)
 
 
 def test_bad_migrations_are_refused_and_change_nothing(pair):
@@ -166,29 +187,27 @@ def test_bad_migrations_are_refused_and_change_nothing(pair):
                      "still reserved": grpc.StatusCode.FAILED_PRECONDITION,
                      "unreachable target": grpc.StatusCode.UNAVAILABLE}, codes
     a.stub.Abort(pb.AbortRequest(request_id="reserved-only"))
-    wait_clean(a, b)
 
 
-def test_an_incompatible_target_is_refused(pair, tmp_path):
-    a, b = pair
-    if "tcp" not in a.flags:
-        pytest.skip("the fingerprint check is the transport-independent handshake: checked once")
-    with decode_node(tmp_path, "--dtype", "bfloat16", "--transport", "tcp") as other:
-        out = Outcome()
-        request = pb.GenerateRequest(request_id="incompatible", token_ids=PROMPT, sampling=sampling(**NO_SPEC))
-        for i, chunk in enumerate(a.stub.Generate(request, timeout=120)):
-            out.add(chunk)
-            if i == 3:
-                code, exc = call_status(lambda: a.stub.Migrate(pb.MigrateRequest(
-                    request_id="incompatible", target_address=other.address)))
-                assert code == grpc.StatusCode.FAILED_PRECONDITION and "dtype" in exc.details(), exc
-        assert len(out.tokens[0]) == 40 and out.finish[0] == "length"
-        wait_clean(a, b, other)
+def test_an_incompatible_target_is_refused(nodes, pair):
+    a, _ = pair
+    if nodes.other is None:
+        pytest.skip("the fingerprint check is the transport-independent handshake: checked once, on tcp")
+    out = Outcome()
+    request = pb.GenerateRequest(request_id="incompatible", token_ids=PROMPT, sampling=sampling(**NO_SPEC))
+    for i, chunk in enumerate(a.stub.Generate(request, timeout=120)):
+        out.add(chunk)
+        if i == 3:
+            code, exc = call_status(lambda: a.stub.Migrate(pb.MigrateRequest(
+                request_id="incompatible", target_address=nodes.other.address)))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "dtype" in exc.details(), exc
+    assert len(out.tokens[0]) == 40 and out.finish[0] == "length"
+    wait_clean(nodes.other)
 
 
 def test_a_request_still_prefilling_is_refused(pair):
     a, b = pair
-    long_prompt = random_ids(3000, seed=9)
+    long_prompt = random_ids(1000, seed=9)
     stream = a.stub.Generate(pb.GenerateRequest(request_id="prefilling", token_ids=long_prompt,
                                                 sampling=sampling(max_tokens=2, **NO_SPEC)), timeout=120)
     chunks = []
@@ -203,7 +222,6 @@ def test_a_request_still_prefilling_is_refused(pair):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "prefill" in exc.details(), exc
     reader.join(120)
     assert sum(len(c.token_ids) for c in chunks) == 2
-    wait_clean(a, b)
 
 
 def test_a_target_that_refuses_leaves_the_request_decoding_here(pair):
@@ -223,7 +241,6 @@ def test_a_target_that_refuses_leaves_the_request_decoding_here(pair):
     assert out.same_output(reference)
     b.stub.Abort(pb.AbortRequest(request_id="refused"))
     assert 'duet_migrations_total{outcome="failed",reason="rpc"}' in a.metrics_text()
-    wait_clean(a, b)
 
 
 @pytest.mark.parametrize("where", ["source", "target"])
@@ -235,57 +252,65 @@ def test_abort_during_migration_ends_it_on_both_nodes(pair, where):
                 migrate_to=b, on_migrated=lambda: node.stub.Abort(pb.AbortRequest(request_id=rid)))
     assert moved.error is None and moved.finish == {0: "abort"}, (moved.error, moved.finish)
     assert len(moved.tokens[0]) < 200
-    wait_clean(a, b)
 
 
-def test_a_target_that_dies_mid_stream_leaves_the_request_continuing_here(pair, tmp_path):
-    a, b = pair
+def test_a_target_that_dies_mid_stream_leaves_the_request_continuing_here(nodes, pair):
+    a, _ = pair
+    if nodes.transport != "tcp":
+        pytest.skip("what the source does when its target dies does not depend on the transport: checked on tcp")
     request = pb.GenerateRequest(token_ids=PROMPT, sampling=sampling(max_tokens=60, temperature=0.9, seed=4,
                                                                       **NO_SPEC))
     reference = run(a, "dies-ref", pb.GenerateRequest().FromString(request.SerializeToString()))
-    with decode_node(tmp_path, *a.flags) as doomed:
-        moved = run(a, "dies", request, migrate_to=doomed, on_migrated=lambda: threading.Timer(
-            0.3, doomed.proc.send_signal, (signal.SIGKILL,)).start())
+    doomed = nodes.spare
+    moved = run(a, "dies", request, migrate_to=doomed, on_migrated=lambda: threading.Timer(
+        0.3, doomed.proc.send_signal, (signal.SIGKILL,)).start())
     assert moved.error is None, moved.error
     assert moved.same_output(reference)
     assert 'duet_migrations_total{outcome="resumed",reason="rpc"}' in a.metrics_text()
-    wait_clean(a, b)
 
 
-def test_a_source_that_dies_leaves_the_target_clean(pair, tmp_path):
+def test_a_source_that_dies_leaves_the_target_clean(nodes, pair):
+    _, b = pair
+    if nodes.transport != "nixl":
+        pytest.skip("a dead writer's pages matter most where its writes are one-sided: checked on nixl")
+    doomed = nodes.spare
+    out = run(doomed, "orphan", pb.GenerateRequest(token_ids=PROMPT, sampling=sampling(max_tokens=400, **NO_SPEC)),
+              migrate_to=b, on_migrated=doomed.proc.kill)
+    assert out.error is not None and out.error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_drain_hands_every_stream_over_and_exits(nodes, pair):
     a, b = pair
-    with decode_node(tmp_path, *a.flags) as doomed:
-        run(doomed, "orphan", pb.GenerateRequest(token_ids=PROMPT, sampling=sampling(max_tokens=400, **NO_SPEC)),
-            migrate_to=b, on_migrated=doomed.proc.kill)
-    wait_clean(a, b)
-
-
-def test_drain_hands_every_stream_over_and_exits(pair, tmp_path):
-    a, b = pair
-    if "tcp" not in a.flags:
+    source = nodes.draining
+    if source is None:
         pytest.skip("drain moves requests with Migrate: one transport shows it (test_migrated_stream_is_identical "
                     "covers both)")
     requests = [pb.GenerateRequest(token_ids=random_ids(60 + 10 * i, seed=100 + i),
-                                   sampling=sampling(max_tokens=48, temperature=0.8 * (i % 2), seed=i, **NO_SPEC))
+                                   sampling=sampling(max_tokens=32, temperature=0.8 * (i % 2), seed=i, **NO_SPEC))
                 for i in range(8)]
-    references = [run(a, f"drain-ref-{i}", pb.GenerateRequest().FromString(r.SerializeToString()))
-                  for i, r in enumerate(requests)]
-    assert call_status(lambda: a.stub.Drain(pb.DrainRequest()))[0] == grpc.StatusCode.FAILED_PRECONDITION
-    with decode_node(tmp_path, *a.flags, "--drain-to", a.address, "--drain-to", b.address) as source:
-        outcomes: list[Outcome | None] = [None] * 8
-        threads = [threading.Thread(target=lambda i=i, r=r: outcomes.__setitem__(i, run(source, f"drain-{i}", r)))
-                   for i, r in enumerate(requests)]
+
+    def run_all(node: Daemon, prefix: str) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        threads = [threading.Thread(target=lambda i=i, r=r: outcomes.__setitem__(i, run(
+            node, f"{prefix}-{i}", pb.GenerateRequest().FromString(r.SerializeToString()))))
+            for i, r in enumerate(requests)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 60
-        while source.stub.GetLoad(pb.GetLoadRequest()).running_requests < 8:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.5)  # every stream has tokens out
-        source.proc.send_signal(signal.SIGTERM)
+        if node is source:
+            deadline = time.monotonic() + 60
+            while source.stub.GetLoad(pb.GetLoadRequest()).running_requests < len(requests):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.3)  # every stream has tokens out
+            source.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)
-        assert source.proc.wait(60) == 0
+        return outcomes
+
+    references = run_all(a, "drain-ref")
+    assert call_status(lambda: a.stub.Drain(pb.DrainRequest()))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    outcomes = run_all(source, "drain")
+    assert source.proc.wait(60) == 0
     for reference, outcome in zip(references, outcomes):
         assert outcome.error is None, outcome.error
         assert outcome.same_output(reference)
@@ -293,4 +318,3 @@ def test_drain_hands_every_stream_over_and_exits(pair, tmp_path):
     finished_on_targets = {e.request_id for d in (a, b) for e in d.stub.GetTrace(pb.GetTraceRequest(
         request_ids=ids)).events if e.name == "finished"}
     assert finished_on_targets == set(ids)
-    wait_clean(a, b)

@@ -37,6 +37,13 @@ class Linear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 1:
+            # oneDNN runs a one-row product through a kernel of its own whose sums round differently
+            # from the one it runs at every other batch size (measured in bfloat16 on AVX512-BF16
+            # without AMX: the 1536 -> 576 projection). A row must not change with its batch, or a
+            # prompt's last token, computed alone after a hand-off and inside a chunk when prefilled
+            # locally, samples differently: so one row goes as two. The weights are read once either way.
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.weight, self.bias, "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
