@@ -10,7 +10,7 @@ import torch
 from common.engine.core import Engine
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
-from tests.helpers import drain, greedy, random_ids
+from tests.helpers import drain, greedy, random_ids, started_pair
 from tests.reference import FP32, hf_greedy
 from tests.test_disaggregated import no_leak, three_calls
 from tests.test_model_vs_transformers import PROMPTS
@@ -86,8 +86,7 @@ def single_bf16(tmp_path_factory):
 def pair_bf16(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"pair_bf16_{request.param}")
     flags = (*BF16, "--transport", request.param)
-    with prefill_node(tmp, *flags) as pn, \
-            decode_node(tmp, *flags, "--kv-pages", "96", "--prefill", pn.address, "--min-remote-prefill-tokens", "1") as dn:
+    with started_pair(tmp, flags, (*flags, "--kv-pages", "96", "--min-remote-prefill-tokens", "1")) as (dn, pn):
         yield dn, pn
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node, prefill_node
-from tests.helpers import drain, greedy, random_ids
+from tests.helpers import drain, greedy, random_ids, started_pair
 from tests.reference import FP32, engine_greedy, hf_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
@@ -18,8 +18,8 @@ TRANSPORTS = ["nixl", "tcp"]
 def pair(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"pair_{request.param}")
     transport = (*FP32, "--transport", request.param)
-    with prefill_node(tmp, *transport, "--max-batch-tokens", "512") as pn, \
-            decode_node(tmp, *transport, "--prefill", pn.address, "--min-remote-prefill-tokens", "1") as dn:
+    with started_pair(tmp, (*transport, "--max-batch-tokens", "512"),
+                      (*transport, "--min-remote-prefill-tokens", "1")) as (dn, pn):
         yield dn, pn
 
 

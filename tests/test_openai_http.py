@@ -19,8 +19,8 @@ from common.openai_http.api_errors import ApiError
 from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint, map_request
 from common.openai_http.server import OpenAIFront, _cancel_when_client_leaves
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, free_port, prefill_node, router
-from tests.helpers import greedy
+from scripts.local_daemons import decode_node, free_port, router
+from tests.helpers import greedy, started_pair
 from tests.reference import FP32, hf_greedy
 from tests.test_tls import certs  # noqa: F401 (the fixture: a CA, node and client certificates, a rogue CA)
 
@@ -48,9 +48,8 @@ def pair(tmp_path_factory):
     """A prefill node and a decode node handing prompts to it, the decode node serving HTTP."""
     tmp = tmp_path_factory.mktemp("openai_http")
     port = free_port()
-    with prefill_node(tmp, *DAEMON_FLAGS) as pn, \
-            decode_node(tmp, *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
-                        "--openai-port", str(port)) as dn:
+    with started_pair(tmp, DAEMON_FLAGS, (*DAEMON_FLAGS, "--min-remote-prefill-tokens", "8",
+                                          "--openai-port", str(port))) as (dn, pn):
         yield dn, pn, Front(port)
 
 
