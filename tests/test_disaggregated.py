@@ -144,13 +144,14 @@ def test_wrong_fingerprint_is_failed_precondition(pair, tmp_path):
         dn.stub.Abort(pb.AbortRequest(request_id="fp"))
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def small_pair(request, tmp_path_factory):
-    """A pair whose decode node has a 48-page pool, small enough to fragment with a few calls."""
-    tmp = tmp_path_factory.mktemp(f"small_pair_{request.param}")
-    transport = (*FP32, "--transport", request.param)
-    with prefill_node(tmp, *transport) as pn, \
-            decode_node(tmp, *transport, "--kv-pages", "48", "--prefill", pn.address) as dn:
+@pytest.fixture(scope="module")
+def small_pair(pair, tmp_path_factory):
+    """A decode node with a 48-page pool, small enough to fragment with a few calls, and the
+    prefill node of `pair` (of the same transport) handing prompts to it."""
+    _, pn = pair
+    transport = pn.proc.args[pn.proc.args.index("--transport") + 1]
+    tmp = tmp_path_factory.mktemp(f"small_pair_{transport}")
+    with decode_node(tmp, *FP32, "--transport", transport, "--kv-pages", "48", "--prefill", pn.address) as dn:
         yield dn, pn
 
 
