@@ -1,21 +1,23 @@
 """Small utilities several test files share: random prompts, greedy sampling, the status of a
-gRPC call, the check that a daemon holds no KV page or request any more, and the slots of
-kv_append_metadata."""
+gRPC call, the check that a daemon holds no KV page or request any more, the slots of
+kv_append_metadata, and daemons started side by side."""
 from __future__ import annotations
 
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import grpc
 
 from common.kv.segments import Segments
+from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
-
-if TYPE_CHECKING:
-    from scripts.local_daemons import Daemon
+from protos.duet.v1 import duet_pb2_grpc
+from scripts.local_daemons import Daemon, free_port
 
 
 def random_ids(n: int, seed: int, low: int = 100, high: int = 40000) -> list[int]:
@@ -117,3 +119,73 @@ class Background:
         self._thread.join(timeout)
         assert self._out is not None, f"the call did not return within {timeout}s"
         return self._out
+
+
+_STUBS = {"decode_node": duet_pb2_grpc.DecodeNodeStub, "prefill_node": duet_pb2_grpc.PrefillNodeStub,
+          "router": duet_pb2_grpc.DecodeNodeStub}
+
+
+class Started:
+    """Daemons started side by side: every process starts before any is waited for, so that their
+    model loads overlap (what scripts/local_daemons.py's context managers, one after the other,
+    do in sequence). A prefill node's address is known before it serves, so a decode node naming
+    it with --prefill starts at once too:
+
+        with Started(tmp) as s:
+            pn = s.spawn("prefill_node", *flags)
+            dn = s.spawn("decode_node", *flags, "--prefill", pn.address)
+            s.wait()  # both healthy, each with its `stub`
+
+    Leaving the `with` stops every daemon spawned, the last one first."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self._spawned: list[tuple[str, Daemon, list[str]]] = []
+
+    def spawn(self, module: str, *args: str, env: dict[str, str] | None = None, tls: TlsFiles = TlsFiles(),
+              port: int | None = None) -> Daemon:
+        d = Daemon(module, list(args), self.tmp / f"{module}_{free_port()}.log", env, tls=tls, port=port)
+        self._spawned.append((module, d, list(args)))
+        return d
+
+    def wait(self) -> None:
+        """Every daemon healthy, with its `stub`; and every decode node's prefill pool has seen the
+        prefill nodes its --prefill names (one that was not serving yet when the decode node
+        started is only seen at the pool's next poll; until then Generate would prefill locally)."""
+        for module, d, _ in self._spawned:
+            if getattr(d, "stub", None) is None:
+                d.wait_healthy()
+                d.stub = _STUBS[module](d.channel)
+        for module, d, args in self._spawned:
+            if module == "decode_node":
+                for address in (args[i + 1] for i, a in enumerate(args[:-1]) if a == "--prefill"):
+                    _wait_for_log(d, '"msg": "node healthy"', f'"address": "{address}"')
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        while self._spawned:
+            self._spawned.pop()[1].stop()
+
+
+def _wait_for_log(d: Daemon, *fragments: str, timeout: float = 30.0) -> None:
+    """Wait until one line of `d`'s log holds every fragment."""
+    deadline = time.monotonic() + timeout
+    while not any(all(f in line for f in fragments) for line in d.log_path.read_text().splitlines()):
+        assert d.proc.poll() is None, f"{d.log_path.name} exited:\n{d.log_path.read_text()}"
+        assert time.monotonic() < deadline, f"{d.log_path.name} never logged {fragments}"
+        time.sleep(0.05)
+
+
+@contextmanager
+def started_pair(tmp: Path, prefill_args: Sequence[str], decode_args: Sequence[str], *,
+                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
+                 tls: TlsFiles = TlsFiles()) -> Iterator[tuple[Daemon, Daemon]]:
+    """(decode node, prefill node), started side by side (`Started`), the decode node handing
+    prompts to the prefill node (`--prefill` is added to `decode_args`); both stopped on leaving."""
+    with Started(tmp) as s:
+        pn = s.spawn("prefill_node", *prefill_args, env=prefill_env, tls=tls)
+        dn = s.spawn("decode_node", *decode_args, "--prefill", pn.address, env=decode_env, tls=tls)
+        s.wait()
+        yield dn, pn

@@ -9,8 +9,7 @@ import torch
 
 from common.engine.core import Engine
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, prefill_node
-from tests.helpers import drain, greedy, random_ids
+from tests.helpers import Started, drain, greedy, random_ids, started_pair
 from tests.reference import FP32, hf_greedy
 from tests.test_disaggregated import no_leak, three_calls
 from tests.test_model_vs_transformers import PROMPTS
@@ -76,18 +75,31 @@ def test_bf16_engine_agrees_with_transformers_bf16(model_bf16, tokenizer, hf_mod
 
 
 @pytest.fixture(scope="module")
-def single_bf16(tmp_path_factory):
+def singles(tmp_path_factory):
+    """`single_bf16` and `fp32_prefill`, started side by side."""
+    with Started(tmp_path_factory.mktemp("single_bf16")) as s:
+        both = s.spawn("decode_node", *BF16, "--transport", "tcp"), s.spawn("prefill_node", *FP32, "--transport", "tcp")
+        s.wait()
+        yield both
+
+
+@pytest.fixture(scope="module")
+def single_bf16(singles):
     """A decode node with no prefill node: the single-node bf16 output."""
-    with decode_node(tmp_path_factory.mktemp("single_bf16"), *BF16, "--transport", "tcp") as dn:
-        yield dn
+    return singles[0]
+
+
+@pytest.fixture(scope="module")
+def fp32_prefill(singles):
+    """A float32 prefill node (TCP)."""
+    return singles[1]
 
 
 @pytest.fixture(scope="module", params=["nixl", "tcp"])
 def pair_bf16(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"pair_bf16_{request.param}")
     flags = (*BF16, "--transport", request.param)
-    with prefill_node(tmp, *flags) as pn, \
-            decode_node(tmp, *flags, "--kv-pages", "96", "--prefill", pn.address, "--min-remote-prefill-tokens", "1") as dn:
+    with started_pair(tmp, flags, (*flags, "--kv-pages", "96", "--min-remote-prefill-tokens", "1")) as (dn, pn):
         yield dn, pn
 
 
@@ -141,17 +153,16 @@ def test_bf16_chat_and_prefix_hits_equal_single_node(pair_bf16, single_bf16, tok
     assert last.usage.cached_tokens > 0
 
 
-def test_fp32_and_bf16_nodes_refuse_each_other(single_bf16, tmp_path):
+def test_fp32_and_bf16_nodes_refuse_each_other(single_bf16, fp32_prefill):
     """The handshake is the transports' common part: one pair of nodes shows it."""
-    dn = single_bf16
-    with prefill_node(tmp_path, *FP32, "--transport", "tcp") as fp32:
-        prompt = random_ids(20, 14)
-        r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="bf16-fp", token_ids=prompt))
-        with pytest.raises(grpc.RpcError) as info:
-            fp32.stub.RemoteSend(pb.RemoteSendRequest(
-                request_id="bf16-fp", token_ids=prompt, kv_window_begin=0, kv_window_end=19,
-                kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "dtype: decode node has 'bfloat16', prefill node has 'float32'" in info.value.details()
-        assert no_leak(fp32)
-        dn.stub.Abort(pb.AbortRequest(request_id="bf16-fp"))
+    dn, fp32 = single_bf16, fp32_prefill
+    prompt = random_ids(20, 14)
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="bf16-fp", token_ids=prompt))
+    with pytest.raises(grpc.RpcError) as info:
+        fp32.stub.RemoteSend(pb.RemoteSendRequest(
+            request_id="bf16-fp", token_ids=prompt, kv_window_begin=0, kv_window_end=19,
+            kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dtype: decode node has 'bfloat16', prefill node has 'float32'" in info.value.details()
+    assert no_leak(fp32)
+    dn.stub.Abort(pb.AbortRequest(request_id="bf16-fp"))

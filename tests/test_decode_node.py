@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import decode_node
-from tests.helpers import greedy, random_ids, status_of, wire_slots
+from tests.helpers import Started, greedy, random_ids, status_of, wire_slots
 from tests.reference import FP32, hf_greedy
 
 PAGE = 16
@@ -34,16 +34,23 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    with decode_node(tmp_path_factory.mktemp("dn"), *FP32) as d:
-        yield d
+def nodes(tmp_path_factory):
+    """`node` and `small_node`, started side by side."""
+    with Started(tmp_path_factory.mktemp("dn")) as s:
+        both = s.spawn("decode_node", *FP32), s.spawn("decode_node", *FP32, "--kv-pages", "64", "--lease-seconds", "1")
+        s.wait()
+        yield both
 
 
 @pytest.fixture(scope="module")
-def small_node(tmp_path_factory):
+def node(nodes):
+    return nodes[0]
+
+
+@pytest.fixture(scope="module")
+def small_node(nodes):
     """64 pages of 16 tokens and a 1 s lease."""
-    with decode_node(tmp_path_factory.mktemp("dn_small"), *FP32, "--kv-pages", "64", "--lease-seconds", "1") as d:
-        yield d
+    return nodes[1]
 
 
 def pages_back_to_baseline(d) -> bool:

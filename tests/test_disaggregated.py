@@ -7,20 +7,37 @@ import grpc
 import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, prefill_node
-from tests.helpers import drain, greedy, random_ids
+from scripts.local_daemons import decode_node
+from tests.helpers import Started, drain, greedy, random_ids
 from tests.reference import FP32, engine_greedy, hf_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def pair(request, tmp_path_factory):
+def daemons(request, tmp_path_factory):
+    """Per transport, started side by side: the decode node and prefill node of `pair`, and a
+    prefill node with another page size (`other_page_size`)."""
     tmp = tmp_path_factory.mktemp(f"pair_{request.param}")
     transport = (*FP32, "--transport", request.param)
-    with prefill_node(tmp, *transport, "--max-batch-tokens", "512") as pn, \
-            decode_node(tmp, *transport, "--prefill", pn.address, "--min-remote-prefill-tokens", "1") as dn:
-        yield dn, pn
+    with Started(tmp) as s:
+        pn = s.spawn("prefill_node", *transport, "--max-batch-tokens", "512")
+        dn = s.spawn("decode_node", *transport, "--prefill", pn.address, "--min-remote-prefill-tokens", "1")
+        other = s.spawn("prefill_node", *transport, "--page-size", "8")
+        s.wait()
+        yield dn, pn, other
+
+
+@pytest.fixture(scope="module")
+def pair(daemons):
+    dn, pn, _ = daemons
+    return dn, pn
+
+
+@pytest.fixture(scope="module")
+def other_page_size(daemons):
+    """A prefill node of the pair's transport whose pages hold 8 positions (the decode node's 16)."""
+    return daemons[2]
 
 
 def three_calls(dn, pn, request_id: str, prompt: list[int], max_tokens: int = 8, end: int = -1):
@@ -129,28 +146,28 @@ def test_bad_requests_leave_both_nodes_clean(pair):
         time.sleep(0.1)
 
 
-def test_wrong_fingerprint_is_failed_precondition(pair, tmp_path):
+def test_wrong_fingerprint_is_failed_precondition(pair, other_page_size):
     dn, _ = pair
-    transport = dn.proc.args[dn.proc.args.index("--transport") + 1]
-    with prefill_node(tmp_path, *FP32, "--transport", transport, "--page-size", "8") as other:
-        r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="fp", token_ids=random_ids(20, 12)))
-        with pytest.raises(grpc.RpcError) as info:
-            other.stub.RemoteSend(pb.RemoteSendRequest(
-                request_id="fp", token_ids=random_ids(20, 12), kv_window_begin=0, kv_window_end=19,
-                kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "page_size: decode node has 16, prefill node has 8" in info.value.details()
-        assert no_leak(other)
-        dn.stub.Abort(pb.AbortRequest(request_id="fp"))
+    other = other_page_size
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="fp", token_ids=random_ids(20, 12)))
+    with pytest.raises(grpc.RpcError) as info:
+        other.stub.RemoteSend(pb.RemoteSendRequest(
+            request_id="fp", token_ids=random_ids(20, 12), kv_window_begin=0, kv_window_end=19,
+            kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "page_size: decode node has 16, prefill node has 8" in info.value.details()
+    assert no_leak(other)
+    dn.stub.Abort(pb.AbortRequest(request_id="fp"))
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def small_pair(request, tmp_path_factory):
-    """A pair whose decode node has a 48-page pool, small enough to fragment with a few calls."""
-    tmp = tmp_path_factory.mktemp(f"small_pair_{request.param}")
-    transport = (*FP32, "--transport", request.param)
-    with prefill_node(tmp, *transport) as pn, \
-            decode_node(tmp, *transport, "--kv-pages", "48", "--prefill", pn.address) as dn:
+@pytest.fixture(scope="module")
+def small_pair(pair, tmp_path_factory):
+    """A decode node with a 48-page pool, small enough to fragment with a few calls, and the
+    prefill node of `pair` (of the same transport) handing prompts to it."""
+    _, pn = pair
+    transport = pn.proc.args[pn.proc.args.index("--transport") + 1]
+    tmp = tmp_path_factory.mktemp(f"small_pair_{transport}")
+    with decode_node(tmp, *FP32, "--transport", transport, "--kv-pages", "48", "--prefill", pn.address) as dn:
         yield dn, pn
 
 

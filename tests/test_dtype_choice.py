@@ -6,8 +6,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.engine.core import Engine
-from common.model.checkpoint import load_checkpoint
-from common.model.llama import LlamaModel
 from common.serving import dtype_choice
 from common.serving.fingerprint import fingerprint_of, mismatch
 from common.serving.pool_metrics import register_pool_gauges
@@ -43,12 +41,11 @@ def test_config_resolves_auto(monkeypatch):
     assert DecodeNodeConfig(dtype="float32").resolved_dtype == "float32"
 
 
-def test_dtype_in_fingerprint_and_info_gauge(model_path):
-    import torch
-
-    ckpt = load_checkpoint(model_path)
-    engines = {d: Engine(LlamaModel(ckpt, dtype=getattr(torch, d)), num_pages=4, page_size=16)
-               for d in ("float32", "bfloat16")}
+def test_dtype_in_fingerprint_and_info_gauge(model, model_bf16):
+    # The session's models (tests/conftest.py): LlamaModel(load_checkpoint(path)) in float32 and bfloat16.
+    engines = {d: Engine(m, num_pages=4, page_size=16) for d, m in (("float32", model), ("bfloat16", model_bf16))}
+    assert {d: str(e.model.dtype) for d, e in engines.items()} == {"float32": "torch.float32",
+                                                                   "bfloat16": "torch.bfloat16"}
     prints = {d: fingerprint_of(e.model, e.pool) for d, e in engines.items()}
     assert prints["bfloat16"].dtype == "bfloat16"
     why = mismatch(prints["float32"], prints["bfloat16"], "decode node", "prefill node")

@@ -13,8 +13,7 @@ import pytest
 from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import process_start_ticks, writer_identity
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, prefill_node
-from tests.helpers import drain, greedy, random_ids
+from tests.helpers import drain, greedy, random_ids, started_pair
 from tests.reference import FP32, engine_greedy
 
 TRANSPORTS = ["nixl", "tcp"]
@@ -46,9 +45,8 @@ def nodes(request, tmp_path_factory):
     transfer sends one position from the wrong slot."""
     tmp = tmp_path_factory.mktemp(f"fail_closed_{request.param}")
     transport = (*FP32, "--transport", request.param)
-    with prefill_node(tmp, *transport, env={"DUET_TEST_FAULTS": "corrupt-kv"}) as pn, \
-            decode_node(tmp, *transport, "--prefill", pn.address, "--min-remote-prefill-tokens", "1",
-                        "--quarantine-seconds", QUARANTINE_S) as dn:
+    with started_pair(tmp, transport, (*transport, "--min-remote-prefill-tokens", "1", "--quarantine-seconds",
+                                       QUARANTINE_S), prefill_env={"DUET_TEST_FAULTS": "corrupt-kv"}) as (dn, pn):
         yield request.param, dn, pn
 
 

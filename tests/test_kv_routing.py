@@ -13,8 +13,8 @@ import pytest
 
 from common.kv.block_hashes import block_hashes
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, prefill_node, router
-from tests.helpers import random_ids
+from scripts.local_daemons import decode_node, router
+from tests.helpers import Started, random_ids
 from tests.reference import engine_greedy
 from tests.test_router import wait_for
 
@@ -42,15 +42,16 @@ def first_events(stub, request: pb.WatchKvEventsRequest, n: int, timeout: float 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kv_routing")
-    with prefill_node(tmp, *NODE_FLAGS) as pf:
+    with Started(tmp) as s:
+        pf = s.spawn("prefill_node", *NODE_FLAGS)
         flags = (*NODE_FLAGS, "--prefill", pf.address, "--min-remote-prefill-tokens", "8")
-        with decode_node(tmp, *flags) as d1, decode_node(tmp, *flags) as d2:
-            members = tmp / "members.json"
-            members.write_text(json.dumps({"decode": [d1.address, d2.address], "prefill": [pf.address]}))
-            with router(tmp, "--members", str(members), "--poll-seconds", "0.2",
-                        "--min-remote-prefill-tokens", "8") as rt:
-                wait_for(lambda: rt.metrics().get("duet_router_healthy_decode_nodes") == 2)
-                yield tmp, rt, d1, d2, pf, flags
+        d1, d2 = s.spawn("decode_node", *flags), s.spawn("decode_node", *flags)
+        s.wait()
+        members = tmp / "members.json"
+        members.write_text(json.dumps({"decode": [d1.address, d2.address], "prefill": [pf.address]}))
+        with router(tmp, "--members", str(members), "--poll-seconds", "0.2", "--min-remote-prefill-tokens", "8") as rt:
+            wait_for(lambda: rt.metrics().get("duet_router_healthy_decode_nodes") == 2)
+            yield tmp, rt, d1, d2, pf, flags
 
 
 def test_watch_opens_with_a_snapshot_then_streams_the_blocks_a_request_leaves(nodes):

@@ -19,8 +19,8 @@ from common.openai_http.api_errors import ApiError
 from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint, map_request
 from common.openai_http.server import OpenAIFront, _cancel_when_client_leaves
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, free_port, prefill_node, router
-from tests.helpers import greedy
+from scripts.local_daemons import free_port, router
+from tests.helpers import Started, greedy
 from tests.reference import FP32, hf_greedy
 from tests.test_tls import certs  # noqa: F401 (the fixture: a CA, node and client certificates, a rogue CA)
 
@@ -44,14 +44,29 @@ class Front:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A prefill node and a decode node handing prompts to it, the decode node serving HTTP."""
+def daemons(tmp_path_factory, certs):  # noqa: F811
+    """`pair` and `tls_node`, started side by side."""
     tmp = tmp_path_factory.mktemp("openai_http")
-    port = free_port()
-    with prefill_node(tmp, *DAEMON_FLAGS) as pn, \
-            decode_node(tmp, *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
-                        "--openai-port", str(port)) as dn:
-        yield dn, pn, Front(port)
+    port, tls_port = free_port(), free_port()
+    with Started(tmp) as s:
+        pn = s.spawn("prefill_node", *DAEMON_FLAGS)
+        dn = s.spawn("decode_node", *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
+                     "--openai-port", str(port))
+        tls_dn = s.spawn("decode_node", *DAEMON_FLAGS, "--openai-port", str(tls_port), tls=certs["node"])
+        s.wait()
+        yield (dn, pn, Front(port)), (tls_dn, tls_port)
+
+
+@pytest.fixture(scope="module")
+def pair(daemons):
+    """A prefill node and a decode node handing prompts to it, the decode node serving HTTP."""
+    return daemons[0]
+
+
+@pytest.fixture(scope="module")
+def tls_node(daemons):
+    """A decode node serving gRPC and HTTPS with the node certificate of `certs`, and its HTTP port."""
+    return daemons[1]
 
 
 @pytest.fixture(scope="module")
@@ -316,24 +331,24 @@ def test_router_serves_the_same_api(pair, tmp_path, model_name):
 
 
 
-def test_https_with_mutual_tls(certs, tmp_path, model_name):  # noqa: F811
+def test_https_with_mutual_tls(certs, tls_node, model_name):  # noqa: F811
     """With --tls-cert/--tls-ca the front is HTTPS and, like the gRPC port, wants a client
     certificate signed by the CA; the loopback Generate call presents the node's own."""
-    port = free_port()
-    with decode_node(tmp_path, *DAEMON_FLAGS, "--openai-port", str(port), tls=certs["node"]) as dn:
-        def client(tls) -> openai.OpenAI:
-            context = ssl.create_default_context(cafile=str(certs["ca_only"].ca))
-            if tls.cert is not None:
-                context.load_cert_chain(tls.cert, tls.key)
-            return Front(port, "https", context).client
+    dn, port = tls_node
 
-        streamed = client(certs["client"]).completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                                              temperature=0, stream=True)
-        text = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=GREEDY))[0]
-        assert "".join(e.choices[0].text for e in streamed) == text
-        for refused in (client(certs["ca_only"]), client(certs["rogue"]), Front(port).client):
-            with pytest.raises(openai.APIConnectionError):
-                refused.models.list()
+    def client(tls) -> openai.OpenAI:
+        context = ssl.create_default_context(cafile=str(certs["ca_only"].ca))
+        if tls.cert is not None:
+            context.load_cert_chain(tls.cert, tls.key)
+        return Front(port, "https", context).client
+
+    streamed = client(certs["client"]).completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                          temperature=0, stream=True)
+    text = grpc_generate(dn.stub, pb.GenerateRequest(prompt=PROMPT, sampling=GREEDY))[0]
+    assert "".join(e.choices[0].text for e in streamed) == text
+    for refused in (client(certs["ca_only"]), client(certs["rogue"]), Front(port).client):
+        with pytest.raises(openai.APIConnectionError):
+            refused.models.list()
 
 
 def test_parallel_samples_are_separate_choices(pair, model_name):

@@ -15,7 +15,8 @@ from common.openai_http.logprob_shaping import token_text
 from protos.duet.v1 import duet_pb2 as pb
 from common.engine.guided import MAX_JSON_INDENT, GrammarCompiler
 from scripts.json_object_share import MAX_TOKENS, json_object_answers
-from scripts.local_daemons import decode_node, free_port, prefill_node
+from scripts.local_daemons import free_port
+from tests.helpers import started_pair
 from tests.reference import JSON_PROMPTS, hf_greedy
 from tests.test_openai_http import DAEMON_FLAGS, MESSAGES, Front
 
@@ -34,9 +35,8 @@ def pair(tmp_path_factory):
     """A prefill node and a decode node handing prompts to it, serving HTTP under two names."""
     tmp = tmp_path_factory.mktemp("openai_structured")
     port = free_port()
-    with prefill_node(tmp, *DAEMON_FLAGS) as pn, \
-            decode_node(tmp, *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
-                        "--openai-port", str(port), *(f"--served-model-name={n}" for n in NAMES)) as dn:
+    with started_pair(tmp, DAEMON_FLAGS, (*DAEMON_FLAGS, "--min-remote-prefill-tokens", "8", "--openai-port",
+                                          str(port), *(f"--served-model-name={n}" for n in NAMES))) as (dn, pn):
         yield dn, pn, Front(port)
 
 

@@ -23,7 +23,8 @@ from common.serving.prompts import prompt_token_ids
 from decode_node.config import parse_args as decode_node_args
 from protos.duet.v1 import duet_pb2 as pb
 from router.__main__ import parse_args as router_args
-from scripts.local_daemons import decode_node, free_port, prefill_node, router
+from scripts.local_daemons import free_port
+from tests.helpers import Started
 from tests.reference import JSON_PROMPTS, REFERENCE_PROMPTS
 from tests.test_openai_http import DAEMON_FLAGS, Front, model_name  # noqa: F401 (the fixture)
 
@@ -187,11 +188,14 @@ def keyed(tmp_path_factory):
     two API keys (one by flag, one by DUET_API_KEY), and a router over them serving HTTP too."""
     tmp = tmp_path_factory.mktemp("openai_tools")
     port, router_port = free_port(), free_port()
-    with prefill_node(tmp, *DAEMON_FLAGS) as pn, \
-            decode_node(tmp, *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
-                        "--openai-port", str(port), "--api-key", KEYS[0], env={ENV_VAR: KEYS[1]}) as dn, \
-            router(tmp, "--decode", dn.address, "--prefill", pn.address, "--poll-seconds", "0.2",
-                   "--openai-port", str(router_port), "--api-key", KEYS[0]) as rt:
+    with Started(tmp) as s:
+        pn = s.spawn("prefill_node", *DAEMON_FLAGS)
+        dn = s.spawn("decode_node", *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
+                     "--openai-port", str(port), "--api-key", KEYS[0], env={ENV_VAR: KEYS[1]})
+        s.wait()
+        rt = s.spawn("router", "--decode", dn.address, "--prefill", pn.address, "--poll-seconds", "0.2",
+                     "--openai-port", str(router_port), "--api-key", KEYS[0])
+        s.wait()
         yield dn, rt, Front(port, api_key=KEYS[0]), Front(router_port, api_key=KEYS[0])
 
 

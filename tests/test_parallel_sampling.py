@@ -6,8 +6,7 @@ import grpc
 import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, prefill_node
-from tests.helpers import random_ids
+from tests.helpers import random_ids, started_pair
 from tests.reference import FP32, hf_greedy
 from tests.test_disaggregated import no_leak
 
@@ -21,8 +20,7 @@ def pair(tmp_path_factory):
     common = (*FP32, "--transport", "tcp", "--threads", "1", "--kv-pages", "96", "--page-size", str(PAGE_SIZE))
     # Generate prefills locally (a huge --min-remote-prefill-tokens): the seeded test compares one
     # daemon with itself; the hand-off tests make the three calls explicitly.
-    with prefill_node(tmp, *common) as pn, \
-            decode_node(tmp, *common, "--prefill", pn.address, "--min-remote-prefill-tokens", "100000") as dn:
+    with started_pair(tmp, common, (*common, "--min-remote-prefill-tokens", "100000")) as (dn, pn):
         yield dn, pn
 
 

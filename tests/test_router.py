@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, prefill_node, router
-from tests.helpers import random_ids
+from scripts.local_daemons import router
+from tests.helpers import Started, random_ids
 from tests.reference import FP32, engine_greedy
 
 
@@ -29,7 +29,9 @@ def wait_for(predicate, timeout: float = 20.0) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
-    with prefill_node(tmp, *FP32) as p1, prefill_node(tmp, *FP32) as p2, decode_node(tmp, *FP32) as dn:
+    with Started(tmp) as s:
+        p1, p2, dn = s.spawn("prefill_node", *FP32), s.spawn("prefill_node", *FP32), s.spawn("decode_node", *FP32)
+        s.wait()
         members = tmp / "members.json"
         members.write_text(json.dumps({"decode": [dn.address], "prefill": [p1.address, p2.address]}))
         with router(tmp, "--members", str(members), "--poll-seconds", "0.2", "--min-remote-prefill-tokens", "8") as rt:

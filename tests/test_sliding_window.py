@@ -23,8 +23,7 @@ from common.model.hf_loader import _config
 from common.model.llama import LlamaModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, prefill_node
-from tests.helpers import greedy, random_ids
+from tests.helpers import greedy, random_ids, started_pair
 from tests.reference import FP32, hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -183,9 +182,8 @@ def pair(mistral_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("window_pair")
     common = (*FP32, "--model", str(mistral_dir), "--transport", "tcp", "--threads", "1", "--page-size", str(PAGE))
     # 8 pages: a 100-token prompt plus 40 tokens needs 9 without the window.
-    with prefill_node(tmp, *common, "--kv-pages", "8", "--max-batch-tokens", "24") as pn, \
-            decode_node(tmp, *common, "--kv-pages", "8", "--prefill", pn.address,
-                        "--min-remote-prefill-tokens", "1") as dn:
+    with started_pair(tmp, (*common, "--kv-pages", "8", "--max-batch-tokens", "24"),
+                      (*common, "--kv-pages", "8", "--min-remote-prefill-tokens", "1")) as (dn, pn):
         yield dn, pn
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadgen import BenchmarkConfig, run_benchmark
-from scripts.local_daemons import decode_node, prefill_node
+from tests.helpers import started_pair
 
 
 def footprint(pid: int) -> tuple[int, int, int]:
@@ -30,9 +30,7 @@ def back_to_baseline(d) -> bool:
 
 @pytest.mark.slow
 def test_soak_at_saturation_leaks_nothing(tmp_path):
-    with prefill_node(tmp_path) as pn, \
-            decode_node(tmp_path, "--prefill", pn.address, "--min-remote-prefill-tokens", "32",
-                        "--max-requests", "12") as dn:
+    with started_pair(tmp_path, (), ("--min-remote-prefill-tokens", "32", "--max-requests", "12")) as (dn, pn):
         def round_(seed: int):
             config = BenchmarkConfig(target=dn.address, num_requests=16, request_rate=float("inf"), input_len=96,
                                      output_len=8, range_ratio=0.5, seed=seed, timeout=120)

@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, free_port, prefill_node, router
+from scripts.local_daemons import free_port, router
+from tests.helpers import started_pair
 from tests.reference import FP32, engine_greedy
 from tests.test_router import wait_for
 
@@ -23,10 +24,9 @@ def test_speculative_decode_node_equals_non_speculative_across_hand_off_router_a
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this exactly:\n" + CODE}]))
     want = engine_greedy(model, prompt, MAX_TOKENS)
     port = free_port()
-    with prefill_node(tmp_path, *FLAGS) as pn, \
-            decode_node(tmp_path, *FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
-                        "--speculative", "ngram", "--num-speculative-tokens", "4", "--ngram-max", "3",
-                        "--openai-port", str(port)) as dn:
+    with started_pair(tmp_path, FLAGS, (*FLAGS, "--min-remote-prefill-tokens", "8", "--speculative", "ngram",
+                                        "--num-speculative-tokens", "4", "--ngram-max", "3",
+                                        "--openai-port", str(port))) as (dn, pn):
         members = tmp_path / "members.json"
         members.write_text(json.dumps({"decode": [dn.address], "prefill": [pn.address]}))
         sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -11,7 +11,7 @@ import pytest
 from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
-from scripts.local_daemons import decode_node, prefill_node
+from tests.helpers import started_pair
 from tests.reference import FP32, engine_greedy
 
 SAN = "subjectAltName=IP:127.0.0.1,DNS:localhost"
@@ -46,8 +46,7 @@ def certs(tmp_path_factory):
 
 def test_mutual_tls_hand_off(certs, tmp_path, model):
     node = certs["node"]
-    with prefill_node(tmp_path, *FP32, tls=node) as pn, \
-            decode_node(tmp_path, *FP32, "--prefill", pn.address, "--min-remote-prefill-tokens", "1", tls=node) as dn:
+    with started_pair(tmp_path, FP32, (*FP32, "--min-remote-prefill-tokens", "1"), tls=node) as (dn, pn):
         prompt = random.Random(1).choices(range(100, 40000), k=60)
         client = duet_pb2_grpc.DecodeNodeStub(certs["client"].channel(dn.address))
         request = pb.GenerateRequest(token_ids=prompt, sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True))

@@ -15,7 +15,8 @@ from common.daemon_limits import MAX_REQUEST_ID_LENGTH
 from common.tracing import MAX_EVENTS_PER_REQUEST, TraceEvent, Tracer, TraceFileWriter, chrome_trace, merge
 from decode_node.config import parse_args as decode_args
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import ROOT, decode_node, free_port, prefill_node
+from scripts.local_daemons import ROOT, free_port
+from tests.helpers import started_pair
 from tests.reference import FP32
 
 # ---------------------------------------------------------------- the recorder
@@ -193,9 +194,8 @@ def traced_run(tmp_path_factory):
     files = {name: tmp / f"{name}.json" for name in ("prefill", "decode", "run", "result")}
     flags = (*FP32, "--transport", "tcp", "--threads", "1", "--kv-pages", "128")
     dead = f"127.0.0.1:{free_port()}"
-    with prefill_node(tmp, *flags, "--trace", str(files["prefill"])) as pn, \
-            decode_node(tmp, *flags, "--prefill", pn.address, "--min-remote-prefill-tokens", "1",
-                        "--trace", str(files["decode"])) as dn:
+    with started_pair(tmp, (*flags, "--trace", str(files["prefill"])),
+                      (*flags, "--min-remote-prefill-tokens", "1", "--trace", str(files["decode"]))) as (dn, pn):
         loadgen = subprocess.run(
             [sys.executable, "-m", "loadgen", "--target", dn.address, "--num-requests", str(NUM_REQUESTS),
              "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--no-progress",
