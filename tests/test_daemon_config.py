@@ -23,6 +23,7 @@ def test_defaults():
     assert d.drain_seconds == p.drain_seconds == 10.0
     assert d.verify_kv == "on" and decode_args(["--verify-kv", "off"]).verify_kv == "off"
     assert d.routing_policy.mode == "prefix" and decode_args(["--routing", "load"]).routing_policy.mode == "load"
+    assert d.drain_to == () and decode_args(["--drain-to", "h:1", "--drain-to", "g:2"]).drain_to == ("h:1", "g:2")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -34,6 +35,8 @@ def test_defaults():
     (["--routing", "nearest"], "invalid choice"),
     (["--load-weight", "-1"], "--load-weight"),
     (["--verify-kv", "maybe"], "invalid choice"),
+    (["--drain-to", "no-port"], "--drain-to"),
+    (["--drain-to", "host:http"], "--drain-to"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

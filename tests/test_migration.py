@@ -318,3 +318,36 @@ def test_drain_hands_every_stream_over_and_exits(nodes, pair):
     finished_on_targets = {e.request_id for d in (a, b) for e in d.stub.GetTrace(pb.GetTraceRequest(
         request_ids=ids)).events if e.name == "finished"}
     assert finished_on_targets == set(ids)
+
+
+def test_bad_continuations_are_invalid_argument(pair):
+    a, b = pair
+    ok = pb.SampleContinuation(index=0, generated_token_ids=[300, 301])
+
+    def generate(continuation: pb.Continuation, **fields) -> grpc.StatusCode:
+        request = pb.GenerateRequest(request_id="bad-continuation", token_ids=PROMPT,
+                                     sampling=sampling(**{**NO_SPEC, **fields}), continuation=continuation)
+        return call_status(lambda: a.stub.Generate(request, timeout=30), allowed=set(grpc.StatusCode))[0]
+
+    bad = {
+        "no samples": generate(pb.Continuation()),
+        "index past n": generate(pb.Continuation(samples=[pb.SampleContinuation(index=1)])),
+        "repeated index": generate(pb.Continuation(samples=[ok, ok]), n=2),
+        "nothing left of max_tokens": generate(pb.Continuation(samples=[ok]), max_tokens=2),
+        "token outside the vocabulary": generate(pb.Continuation(samples=[
+            pb.SampleContinuation(index=0, generated_token_ids=[10**6])])),
+        "random_state of the wrong size": generate(pb.Continuation(samples=[
+            pb.SampleContinuation(index=0, generated_token_ids=[300], random_state=b"123")])),
+        "prompt_logprobs": generate(pb.Continuation(samples=[ok]), prompt_logprobs=1),
+        "negative usage": generate(pb.Continuation(samples=[ok], cached_tokens=-1)),
+    }
+    assert set(bad.values()) == {grpc.StatusCode.INVALID_ARGUMENT}, bad
+    # A continuation whose reservation does not hold a prompt followed by that output is refused too
+    # (a one-token prompt's reservation needs no KV: it is complete at once).
+    a.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="mismatched", token_ids=PROMPT[:1]))
+    code = call_status(lambda: a.stub.StartGeneration(pb.StartGenerationRequest(
+        request_id="mismatched", kv_window_begin=0, sampling=sampling(**NO_SPEC),
+        continuation=pb.Continuation(samples=[pb.SampleContinuation(index=0, generated_token_ids=[1, 2])]))),
+        allowed=set(grpc.StatusCode))[0]
+    a.stub.Abort(pb.AbortRequest(request_id="mismatched"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
