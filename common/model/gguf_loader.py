@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -10,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from common.model.checkpoint import Checkpoint, hash_files
 from common.model.config import ModelConfig
+from common.model.gguf_file import GgufFile
 
 # GGUF architectures we read, and the Hugging Face architecture each corresponds to.
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -36,40 +38,35 @@ _GLOBAL_NAMES = {
 }
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def _config(reader: gguf.GGUFReader, tensor_names: set[str]) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def _config(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = fields.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    hidden = int(fields.get(f"{arch}.embedding_length"))
+    heads = int(fields.get(f"{arch}.attention.head_count"))
+    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens"))
     rope_scaling = None
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    scaling_type = fields.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": float(fields.get(f"{arch}.rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF files with per-frequency rope factors (rope_freqs) are not supported; "
                          "load the Hugging Face directory of this model instead")
-    window = _field(reader, f"{arch}.attention.sliding_window")  # llama.cpp's key, when it writes one
+    window = fields.get(f"{arch}.attention.sliding_window")  # llama.cpp's key, when it writes one
     return ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(fields.get(f"{arch}.feed_forward_length")),
+        num_layers=int(fields.get(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(fields.get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(fields.get(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(fields.get(f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
@@ -96,8 +93,8 @@ def _hf_name(name: str) -> str | None:
 
 def load_gguf(path: str | Path) -> Checkpoint:
     path = Path(path)
-    reader = gguf.GGUFReader(path)
-    config = _config(reader, {t.name for t in reader.tensors})
+    reader = GgufFile(path)
+    config = _config(reader.fields, {t.name for t in reader.tensors})
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)

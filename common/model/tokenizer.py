@@ -12,12 +12,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
-import gguf
 import jinja2
 import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from common.model.gguf_file import GgufFile
 
 GGUF_CONTROL_TOKEN = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 
@@ -48,11 +49,7 @@ class Tokenizer:
         Pre-tokenization is llama.cpp's for `tokenizer.ggml.pre == "smollm"`: every digit on its
         own, then the GPT-2 regex. Other pre-tokenizers split differently and are refused.
         """
-        fields = gguf.GGUFReader(path).fields
-
-        def value(key: str) -> Any:
-            field = fields.get(key)
-            return None if field is None else field.contents()
+        value = GgufFile(path).fields.get
 
         kind = value("tokenizer.ggml.model")
         if kind != "gpt2":
