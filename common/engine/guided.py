@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import llguidance
-import llguidance.torch as llguidance_torch
 import numpy as np
 import torch
 
@@ -50,13 +49,15 @@ class GrammarMatcher:
 
     def __init__(self, grammar: Grammar) -> None:
         self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.source)
-        self._bits = llguidance_torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)
+        # One bit per token. llguidance.torch would fill a tensor the same way, but importing it
+        # runs torch.compile, which costs a daemon over a second at start.
+        self._bits = np.zeros((grammar.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """`[vocab_size]` bool: the tokens that may come next. Raises RuntimeError when the
         grammar has failed (nothing may come next)."""
-        llguidance_torch.fill_next_token_bitmask(self._matcher, self._bits)
-        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         allowed = torch.zeros(vocab_size, dtype=torch.bool)
         n = min(vocab_size, bits.size)
         allowed[:n] = torch.from_numpy(bits[:n].astype(bool))

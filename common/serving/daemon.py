@@ -23,7 +23,6 @@ from common.serving.tls import TlsFiles
 from common.tracing import TraceFileWriter
 
 
-
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
