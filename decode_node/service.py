@@ -28,6 +28,12 @@ def _deadline(context: grpc.ServicerContext) -> float:
     return time.monotonic() + context.time_remaining()
 
 
+def _cancelled(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """Whether the client cancelled the call. gRPC also ends a call when its deadline passes, which
+    is DEADLINE_EXCEEDED (the waiters check their deadline), not a cancellation."""
+    return lambda: not context.is_active() and context.time_remaining() > 0
+
+
 class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
     def __init__(self, node: DecodeNode, draining: threading.Event | None = None,
                  stop: Callable[[], None] = lambda: None) -> None:
@@ -47,7 +53,7 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
                                prompt_tokens=len(request.token_ids))
         try:
             return self.node.prepare_receive(request.request_id, request.token_ids, end,
-                                             cancelled=lambda: not context.is_active(), deadline=_deadline(context))
+                                             cancelled=_cancelled(context), deadline=_deadline(context))
         except RequestError as exc:
             self._fail(context, "PrepareReceive", exc)
 
@@ -92,7 +98,7 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         try:
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             tokens = prompt_token_ids(request, self.node.tokenizer)
-            handle = self.node.generate(rid, tokens, params, cancelled=lambda: not context.is_active(),
+            handle = self.node.generate(rid, tokens, params, cancelled=_cancelled(context),
                                         deadline=_deadline(context), sampling=request.sampling,
                                         continuation=self._continuation(request, params))
         except RequestError as exc:
