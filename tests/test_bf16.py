@@ -139,14 +139,19 @@ def test_bf16_disaggregated_equals_single_node(pair_bf16, single_bf16, length):
     assert tokens == _single(single_bf16, prompt)
 
 
-def test_bf16_chat_and_prefix_hits_equal_single_node(pair_bf16, single_bf16, tokenizer):
+def test_bf16_chat_and_prefix_hits_equal_single_node(pair_bf16, single_bf16, tokenizer, request):
     """Chat prompts through the one-call Generate: the second shares the first's system prompt,
-    so it hits the decode node's prefix cache and the prefill node's. (Not covered, and not
+    so it hits the decode node's prefix cache and the prefill node's, and the single node's at the
+    same page. Each transport asks questions of its own: the single node, shared by both, must
+    not hold a prompt in its cache that the pair computes afresh (below fp32 a prompt computed
+    from a cached page rounds differently from one computed whole). (Not covered, and not
     promised in bf16: a follow-up turn whose history holds an earlier *answer*. The decode node
     computed those positions one token at a time, the prefill node recomputes them as a prompt
     chunk, and below fp32 the two round differently; README "dtypes".)"""
     dn, _ = pair_bf16
-    for question in ("Name three rivers in Europe.", "Name three rivers in Asia."):
+    continents = {"nixl": ("Europe", "Asia"), "tcp": ("Africa", "South America")}
+    for continent in continents[request.node.callspec.params["pair_bf16"]]:
+        question = f"Name three rivers in {continent}."
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
         tokens, last = drain(dn.stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=greedy(24))))
         assert tokens == _single(single_bf16, ids, 24)
