@@ -1,4 +1,5 @@
-"""Build of the CPU kernels (cpu/paged_attention.cpp) as a torch operator library, at first use.
+"""Build of the CPU kernels (cpu/paged_attention.cpp; cpu/bf16_linear.cpp, registered only where
+the compiler targets AVX512-BF16) as one torch operator library, at first use.
 
 The library is compiled once with the system C++ compiler (`$CXX`, default `g++`) against the
 running torch's headers and libraries, for this machine's CPU (`-march=native`), into torch's
@@ -26,7 +27,7 @@ from common.kernel_library import KernelLibrary
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "bf16_linear.cpp"))
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -46,14 +47,14 @@ def _compile_command(compiler: str, output: Path) -> list[str]:
     torch_lib = Path(torch.__file__).resolve().parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), f"-L{torch_lib}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), *map(str, SOURCES), f"-L{torch_lib}",
             f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output)]
 
 
 def library_path(compiler: str) -> Path:
-    """Where the library built by `compiler` for this source, torch and CPU is cached."""
+    """Where the library built by `compiler` for these sources, torch and CPU is cached."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), " ".join(FLAGS).encode(),
                  compiler.encode(), _cpu_features().encode()):
         key.update(part)
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
@@ -90,6 +91,24 @@ def _smoke_test(ops: object) -> None:
             *(t.float().transpose(0, 1) for t in (q, k[[2, 0, 1]], v[[2, 0, 1]])), is_causal=True)
         if not torch.allclose(out.float(), want.transpose(0, 1), atol=atol):
             raise RuntimeError(f"the paged attention kernel returned wrong values in {dtype}")
+    if has_bf16_linear(ops):
+        x, w = torch.randn(3, 6, generator=gen).bfloat16(), torch.randn(64, 6, generator=gen).bfloat16()
+        out = torch.empty(3, 64, dtype=torch.bfloat16)
+        ops.bf16_linear(x, pack_bf16_linear(w), torch.empty(0), out)
+        if not torch.allclose(out.float(), x.float() @ w.float().T, atol=5e-2, rtol=1e-2):
+            raise RuntimeError("the bf16 linear kernel returned wrong values")
+
+
+def has_bf16_linear(ops: object) -> bool:
+    """Whether the library holds `bf16_linear` (built for a CPU with AVX512-BF16)."""
+    return hasattr(ops, "bf16_linear")
+
+
+def pack_bf16_linear(weight: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` bf16 weight -> `[N / 64, K / 2, 64, 2]`, the layout `bf16_linear` streams
+    (cpu/bf16_linear.cpp). N must be a multiple of 64 and K even."""
+    n, k = weight.shape
+    return weight.view(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _load() -> dict[str, object]:

@@ -140,22 +140,27 @@ def test_bf16_disaggregated_equals_single_node(pair_bf16, single_bf16, length):
 
 
 def test_bf16_chat_and_prefix_hits_equal_single_node(pair_bf16, single_bf16, tokenizer, request):
-    """Chat prompts through the one-call Generate: the second shares the first's system prompt,
-    so it hits the decode node's prefix cache and the prefill node's, and the single node's at the
-    same page. Each transport asks questions of its own: the single node, shared by both, must
-    not hold a prompt in its cache that the pair computes afresh (below fp32 a prompt computed
-    from a cached page rounds differently from one computed whole). (Not covered, and not
-    promised in bf16: a follow-up turn whose history holds an earlier *answer*. The decode node
-    computed those positions one token at a time, the prefill node recomputes them as a prompt
-    chunk, and below fp32 the two round differently; README "dtypes".)"""
+    """Chat prompts through the one-call Generate, each hitting the same cached page on the pair
+    (decode node and prefill node) and on the single node: the shared system prompt, which a first
+    question puts in every cache. Below fp32 a prompt computed from a cached page rounds differently
+    from one computed whole, so both sides must hold the same prefixes: the single node is shared
+    by both transports, so each asks questions of its own. (Not covered, and not promised in
+    bf16: a follow-up turn whose history holds an earlier *answer*. The decode node computed
+    those positions one token at a time, the prefill node recomputes them as a prompt chunk, and
+    below fp32 the two round differently; README "dtypes".)"""
     dn, _ = pair_bf16
+
+    def chat(continent: str) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Name three rivers in {continent}."}]))
+
+    for node in (dn, single_bf16):
+        _single(node, chat("Australia"), 1)
     continents = {"nixl": ("Europe", "Asia"), "tcp": ("Africa", "South America")}
     for continent in continents[request.node.callspec.params["pair_bf16"]]:
-        question = f"Name three rivers in {continent}."
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
-        tokens, last = drain(dn.stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=greedy(24))))
-        assert tokens == _single(single_bf16, ids, 24)
-    assert last.usage.cached_tokens > 0
+        tokens, last = drain(dn.stub.Generate(pb.GenerateRequest(token_ids=chat(continent), sampling=greedy(24))))
+        assert last.usage.cached_tokens > 0
+        assert tokens == _single(single_bf16, chat(continent), 24), continent
 
 
 def test_fp32_and_bf16_nodes_refuse_each_other(single_bf16, fp32_prefill):

@@ -8,11 +8,20 @@ torch's own (`torch.ops.mkldnn`, present in the pinned torch 2.13 CPU build). In
 packed product runs on AVX512-BF16 / AMX with float32 accumulation, the same instructions
 vLLM's CPU backend uses. Other devices, float16, CPUs without bf16 support in oneDNN and torch
 builds without oneDNN use `F.linear` on the original weight.
+
+In bfloat16 on a CPU with AVX512-BF16, our own kernel (cpu/bf16_linear.cpp) takes every product
+instead: it reads the weights near the memory bandwidth where oneDNN reached about a third of it
+at decode's few rows (`python -m scripts.bench_engine`), and it is no slower on prefill chunks.
+Its rows are batch-invariant by construction (one accumulator per output, k in order), which a
+bf16 hand-off needs: a prompt's last token is computed inside a chunk on one node and alone on
+another, and must round alike.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from cpu import extension as cpu_extension
 
 # The batch size oneDNN tunes the packed layout for; decode batches are around this size.
 BATCH_SIZE_HINT = 8
@@ -28,15 +37,34 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
+def _bf16_kernel(weight: torch.Tensor):
+    """`torch.ops.duet_cpu` when its bf16 kernel can take this weight, else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[0] % 64 or weight.shape[1] % 2:
+        return None
+    ops = cpu_extension.kernels()
+    return ops if ops is not None and cpu_extension.has_bf16_linear(ops) else None
+
+
 class Linear:
     """`y = x @ weight.T + bias` for 2-D `x`, with the weight packed when that is faster."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
-        self.packed = _can_pack(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT) if self.packed else weight
+        self.kernel = _bf16_kernel(weight)
+        self.packed = self.kernel is None and _can_pack(weight)
+        if self.kernel is not None:
+            self.weight = cpu_extension.pack_bf16_linear(weight)
+            self.bias = torch.empty(0) if bias is None else bias.float()
+        elif self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            out = torch.empty(x.shape[0], self.weight.shape[0] * 64, dtype=torch.bfloat16)
+            self.kernel.bf16_linear(x.contiguous(), self.weight, self.bias, out)
+            return out
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] == 1:
