@@ -35,7 +35,6 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* 
     for (int64_t v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K / 2; ++p) {
     const uint16_t* wp = w + p * kGroup * 2;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * kGroup * 2), _MM_HINT_T0);
     __m512bh wv[kVectors];
     for (int64_t v = 0; v < kVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wp + v * 32);
     for (int64_t r = 0; r < R; ++r) {

@@ -1,5 +1,5 @@
-"""Build of the CPU kernels (cpu/paged_attention.cpp; cpu/bf16_linear.cpp, registered only where
-the compiler targets AVX512-BF16) as one torch operator library, at first use.
+"""Build of the CPU kernels (cpu/paged_attention.cpp, cpu/bf16_pointwise.cpp; cpu/bf16_linear.cpp,
+registered only where the compiler targets AVX512-BF16) as one torch operator library, at first use.
 
 The library is compiled once with the system C++ compiler (`$CXX`, default `g++`) against the
 running torch's headers and libraries, for this machine's CPU (`-march=native`), into torch's
@@ -27,7 +27,7 @@ from common.kernel_library import KernelLibrary
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "bf16_linear.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp"))
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")

@@ -16,6 +16,7 @@ from common.kv.pool import KVPool
 from common.model.checkpoint import Checkpoint
 from common.model.packed_linear import Linear
 from common.model.paged_attention import AttentionPlan, SequenceSlice, attend, grouped_query_attention, kernel_enabled
+from cpu import extension as cpu_extension
 
 __all__ = ["ForwardBatch", "LlamaModel", "SequenceSlice", "grouped_query_attention"]  # the last two: re-exported
 
@@ -72,12 +73,19 @@ class LlamaModel:
         self.rope_sin = angles.sin().to(device=device, dtype=dtype)
         # Read K/V in place with the CPU kernel when it builds (common/model/paged_attention.py).
         self.attention_kernel = kernel_enabled(self.device, dtype)
+        # A bf16 CPU layer's RMSNorm and RoPE as one call each (cpu/bf16_pointwise.cpp), rounding as
+        # the torch ops below do: at decode's few rows their dispatches cost more than their math.
+        self.pointwise = cpu_extension.kernels() if self.device.type == "cpu" and dtype == torch.bfloat16 else None
 
     def new_pool(self, num_pages: int, page_size: int) -> KVPool:
         cfg = self.config
         return KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.pointwise is not None:
+            out = torch.empty_like(x)
+            self.pointwise.rms_norm_bf16(x.contiguous(), weight, self.config.rms_norm_eps, out)
+            return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
         # Below float32 the statistics are taken in float32 and the weight applied after rounding
@@ -102,17 +110,23 @@ class LlamaModel:
         plan = AttentionPlan(batch.slices, self.device, self.attention_kernel)
         write_slots = batch.write_slots.to(self.device)
         positions = batch.positions.to(self.device)
-        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        if self.pointwise is None:
+            cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         x = self.embed[batch.token_ids.to(self.device)]
         T = x.shape[0]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
             qkv = layer["qkv"](h)
+            if self.pointwise is not None:
+                self.pointwise.rope_bf16_(qkv, positions, self.rope_cos, self.rope_sin, nh + kvh)
             q = qkv[:, : nh * hd].view(T, nh, hd)
             k = qkv[:, nh * hd : (nh + kvh) * hd].view(T, kvh, hd)
             v = qkv[:, (nh + kvh) * hd :].view(T, kvh, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            if self.pointwise is None:
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+            else:
+                q = q.contiguous()  # attention reads it as one block
             keys, values = pool.keys(i), pool.values(i)
             keys.index_copy_(0, write_slots, k)
             values.index_copy_(0, write_slots, v)
