@@ -3,7 +3,8 @@
 // Shapes (checked by common/model/paged_attention.py before the call, re-checked here):
 //   q, out        [T, num_heads, head_dim], contiguous: every sequence's new tokens
 //   keys, values  [num_slots, num_kv_heads, head_dim], contiguous: one layer of the pool
-//   (all four float32, or all four bfloat16: K/V are read in place and widened row by row;
+//   (all four float32, or all four bfloat16: K/V are read in place, and widened row by row
+//   except keys on AVX512-BF16 CPUs, which meet the bf16 queries in vdpbf16ps;
 //   scores, softmax and the weighted sum of values accumulate in float32 either way)
 //   slots         [C] int64: the context slots of every sequence, concatenated
 //   seqs          [B, 4] int64: per sequence (first query row, queries, first entry in slots,
@@ -16,6 +17,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +57,20 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
   return s;
 }
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// q . k of two bfloat16 rows: vdpbf16ps multiplies pairs exactly and sums in float32, then one
+// tree reduction of the lanes; neither row is widened first. n is a multiple of 32.
+inline float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n) {
+  __m512 s = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 32)
+    s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
+  return _mm512_reduce_add_ps(s);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 inline void axpy(float* acc, float p, const float* v, int64_t n) {
 #pragma omp simd
@@ -146,13 +165,21 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
               __builtin_prefetch(vd + ctx_slots[j + kPrefetch] * row + off);
             }
           }
-          const float* k = widen(kd + ctx_slots[j] * row, kf.data(), row);
+          // bfloat16 rows (head dims of 32s) meet in vdpbf16ps as they lie; others are widened.
+          constexpr bool raw = kBf16Dot && std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
+          const T* k_row = kd + ctx_slots[j] * row;
+          const float* k = raw ? nullptr : widen(k_row, kf.data(), row);
           for (int64_t i = item.first; i < item.end; ++i) {
             const bool attends = j <= ctx - num_new + i && (!mask || mask[i * ctx + j]);
             for (int64_t h = 0; h < heads; ++h) {
               const int64_t r = (i - item.first) * heads + h;
-              scores[r * kKeyBlock + jj] = attends ? fscale * dot(queries + r * hd, k + kv_offset[h], hd)
-                                                   : -std::numeric_limits<float>::infinity();
+              float score;
+              if constexpr (raw) {
+                score = dot(qd + ((q_row + i) * heads + h) * hd, k_row + kv_offset[h], hd);
+              } else {
+                score = dot(queries + r * hd, k + kv_offset[h], hd);
+              }
+              scores[r * kKeyBlock + jj] = attends ? fscale * score : -std::numeric_limits<float>::infinity();
             }
           }
         }
