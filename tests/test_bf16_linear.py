@@ -5,15 +5,10 @@ import pytest
 import torch
 
 from common.model.packed_linear import Linear
+from common.serving.dtype_choice import cpu_flags
 from cpu import extension as cpu_extension
 
-
-def _has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "avx512_bf16" in f.read()
-
-
-pytestmark = pytest.mark.skipif(not _has_avx512_bf16(), reason="the kernel needs AVX512-BF16")
+pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the kernel needs AVX512-BF16")
 
 
 def test_the_kernel_builds_and_takes_bf16_layers_here():

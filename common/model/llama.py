@@ -92,6 +92,24 @@ class LlamaModel:
         # back, in the order transformers' LlamaRMSNorm uses.
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.config.rms_norm_eps).to(x.dtype) * weight
 
+    def _split_rotated(self, qkv: torch.Tensor, positions: torch.Tensor,
+                       angles: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        """q `[T, nh, hd]` (contiguous: attention reads it as one block), k and v `[T, kvh, hd]`
+        of a fused QKV product, RoPE applied to q and k: by the bf16 kernel in place, or with
+        torch ops and `angles` (cos, sin at each position)."""
+        cfg = self.config
+        nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = qkv.shape[0]
+        if angles is None:
+            self.pointwise.rope_bf16_(qkv, positions, self.rope_cos, self.rope_sin, nh + kvh)
+        q = qkv[:, : nh * hd].view(T, nh, hd)
+        k = qkv[:, nh * hd : (nh + kvh) * hd].view(T, kvh, hd)
+        v = qkv[:, (nh + kvh) * hd :].view(T, kvh, hd)
+        if angles is None:
+            return q.contiguous(), k, v
+        cos, sin = angles
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
     @torch.inference_mode()
     def forward(
         self,
@@ -106,27 +124,19 @@ class LlamaModel:
         can ship that layer while later layers compute.
         """
         cfg = self.config
-        nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nh, hd = cfg.num_heads, cfg.head_dim
         plan = AttentionPlan(batch.slices, self.device, self.attention_kernel)
         write_slots = batch.write_slots.to(self.device)
         positions = batch.positions.to(self.device)
+        # The torch path's rotation angles, gathered once for every layer (the kernel indexes them).
+        angles = None
         if self.pointwise is None:
-            cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+            angles = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         x = self.embed[batch.token_ids.to(self.device)]
         T = x.shape[0]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
-            qkv = layer["qkv"](h)
-            if self.pointwise is not None:
-                self.pointwise.rope_bf16_(qkv, positions, self.rope_cos, self.rope_sin, nh + kvh)
-            q = qkv[:, : nh * hd].view(T, nh, hd)
-            k = qkv[:, nh * hd : (nh + kvh) * hd].view(T, kvh, hd)
-            v = qkv[:, (nh + kvh) * hd :].view(T, kvh, hd)
-            if self.pointwise is None:
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
-            else:
-                q = q.contiguous()  # attention reads it as one block
+            q, k, v = self._split_rotated(layer["qkv"](h), positions, angles)
             keys, values = pool.keys(i), pool.values(i)
             keys.index_copy_(0, write_slots, k)
             values.index_copy_(0, write_slots, v)

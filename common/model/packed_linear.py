@@ -50,6 +50,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
+        self.out_features = weight.shape[0]
         self.kernel = _bf16_kernel(weight)
         self.packed = self.kernel is None and _can_pack(weight)
         if self.kernel is not None:
@@ -62,7 +63,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            out = torch.empty(x.shape[0], self.weight.shape[0] * 64, dtype=torch.bfloat16)
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
             self.kernel.bf16_linear(x.contiguous(), self.weight, self.bias, out)
             return out
         if not self.packed:
