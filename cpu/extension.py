@@ -1,5 +1,6 @@
 """Build of the CPU kernels (cpu/paged_attention.cpp, cpu/bf16_pointwise.cpp; cpu/bf16_linear.cpp,
-registered only where the compiler targets AVX512-BF16) as one torch operator library, at first use.
+registered only where the compiler targets AVX512-BF16; cpu/intra_op_threads.cpp) as one torch
+operator library, at first use.
 
 The library is compiled once with the system C++ compiler (`$CXX`, default `g++`) against the
 running torch's headers and libraries, for this machine's CPU (`-march=native`), into torch's
@@ -27,7 +28,8 @@ from common.kernel_library import KernelLibrary
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp",
+                                                                       "intra_op_threads.cpp"))
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -97,6 +99,14 @@ def _smoke_test(ops: object) -> None:
         ops.bf16_linear(x, pack_bf16_linear(w), torch.empty(0), out)
         if not torch.allclose(out.float(), x.float() @ w.float().T, atol=5e-2, rtol=1e-2):
             raise RuntimeError("the bf16 linear kernel returned wrong values")
+
+
+def claim_intra_op_threads(device: torch.device) -> int:
+    """Fix the calling thread's intra-op thread count at torch's current one, for torch and, for
+    a CPU engine, for these kernels alike (cpu/intra_op_threads.cpp says why both); return it."""
+    count = torch.get_num_threads()
+    ops = kernels() if device.type == "cpu" else None
+    return int(ops.intra_op_threads()) if ops is not None else count
 
 
 def has_bf16_linear(ops: object) -> bool:

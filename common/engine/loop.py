@@ -1,10 +1,15 @@
 """A thread that runs engine steps while there is work, sleeping on a condition of the
-engine's lock otherwise; the base of the decode and prefill schedulers."""
+engine's lock otherwise; the base of the decode and prefill schedulers.
+
+The thread fixes its intra-op thread count at torch's count as it stands when the loop starts
+(torch reads it once per thread, at its first parallel work): a daemon then lowers the count to
+one for every other thread (common/serving/placement.py), and the engine keeps its cores."""
 from __future__ import annotations
 
 import threading
 
 from common.engine.core import Engine
+from cpu import extension as cpu_extension
 
 
 class EngineLoop:
@@ -14,9 +19,11 @@ class EngineLoop:
         self._wakeup = threading.Condition(self.lock)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._threads_fixed = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
+        self._threads_fixed.wait()
 
     def stop(self) -> None:
         """Stop stepping (after the step in progress), then `_on_stop` with the lock held."""
@@ -33,6 +40,10 @@ class EngineLoop:
             self._wakeup.notify()
 
     def _run(self) -> None:
+        try:
+            cpu_extension.claim_intra_op_threads(self.engine.model.device)
+        finally:
+            self._threads_fixed.set()
         while True:
             with self._wakeup:
                 while not self._has_work() and not self._stopped:

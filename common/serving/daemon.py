@@ -123,14 +123,17 @@ class GrpcDaemon:
 def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], object]) -> int:
     """The shared `main` of both daemons: logging and placement from `config`, bind the port
     first (a taken port fails fast), then `start(daemon, config)` loads the model, builds the
-    node and registers its servicer; serve until SIGTERM and shut the node down."""
+    node and registers its servicer (in a passing thread, after which only the engine loop's
+    thread computes in parallel: common/serving/placement.py); serve until SIGTERM and shut the
+    node down."""
     import torch
 
     setup_logging(config.log_level)
     torch.set_grad_enabled(False)
     placement.apply(config.cpus, config.threads, config.nice)
     daemon = GrpcDaemon(config.host, config.port, config.tls)
-    node = start(daemon, config)
+    node = placement.in_passing_thread(start, daemon, config)
+    placement.serialize_other_threads()
     trace_file = TraceFileWriter(node.tracer, config.trace) if config.trace is not None else None
 
     def shutdown() -> None:

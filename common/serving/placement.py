@@ -12,11 +12,28 @@ defaults avoid that without a core split:
   the time the decode node leaves idle (between steps, while it samples and streams). A decode
   node is never starved by its host's prefill node, and neither sits idle while the other waits.
 `--cpus` gives each daemon its own cores instead (docs/bench/README.md compares the two).
+
+Only the engine's thread computes in parallel. libgomp keeps a pool of worker threads for every
+thread that ever ran a parallel region, for as long as that thread lives, and once its pools hold
+more threads than the process has CPUs it stops spinning at barriers: every parallel region then
+wakes its workers from a futex sleep: on 2 cores a colocated node's inter-token latency went from
+21 to 34 ms (make bench-peer's short chat), and on a bigger host each gRPC or transport thread
+that gathers KV for a checksum or a send would add a pool of one worker per core. So:
+- a daemon builds its node (weights converted and packed, KV pool filled: parallel work) in a
+  thread that has exited when the build returns, taking its pool with it (`in_passing_thread`);
+- the engine loop's thread fixes its own thread count first thing (torch, and each kernel
+  library, reads the count once per thread: common/engine/loop.py, cpu/intra_op_threads.cpp),
+  then `serialize_other_threads` gives every other thread one: their torch work (checksums,
+  transport gathers) runs on the calling thread alone.
 """
 from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +75,18 @@ def apply(cpus: tuple[int, ...] | None, threads: int | None, nice: int) -> int:
     log.info("placement", extra={"fields": {"cpus": sorted(os.sched_getaffinity(0)), "threads": count,
                                             "nice": os.nice(0)}})
     return count
+
+
+def in_passing_thread(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` run in a thread of its own that has ended when this returns (see the module
+    docstring: the OpenMP pool its parallel work created ends with it); its exception is raised here."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="build") as pool:
+        return pool.submit(fn, *args).result()
+
+
+def serialize_other_threads() -> None:
+    """From now on a thread that first runs torch work gets one intra-op thread; threads that
+    already fixed their count (the engine loop's) keep it. Call once the node is built."""
+    import torch
+
+    torch.set_num_threads(1)
