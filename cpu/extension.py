@@ -1,6 +1,6 @@
-"""Build of the CPU kernels (cpu/paged_attention.cpp, cpu/bf16_pointwise.cpp; cpu/bf16_linear.cpp,
-registered only where the compiler targets AVX512-BF16; cpu/intra_op_threads.cpp) as one torch
-operator library, at first use.
+"""Build of the CPU kernels (cpu/paged_attention.cpp, cpu/bf16_pointwise.cpp; cpu/bf16_linear.cpp
+and cpu/prefill_attention.cpp, registered only where the compiler targets AVX512-BF16;
+cpu/intra_op_threads.cpp) as one torch operator library, at first use.
 
 The library is compiled once with the system C++ compiler (`$CXX`, default `g++`) against the
 running torch's headers and libraries, for this machine's CPU (`-march=native`), into torch's
@@ -29,7 +29,7 @@ from common.kernel_library import KernelLibrary
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp",
-                                                                       "intra_op_threads.cpp"))
+                                                                       "prefill_attention.cpp", "intra_op_threads.cpp"))
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -99,6 +99,15 @@ def _smoke_test(ops: object) -> None:
         ops.bf16_linear(x, pack_bf16_linear(w), torch.empty(0), out)
         if not torch.allclose(out.float(), x.float() @ w.float().T, atol=5e-2, rtol=1e-2):
             raise RuntimeError("the bf16 linear kernel returned wrong values")
+    if has_bf16_prefill_attention(ops):
+        q, k, v = (torch.randn(n, heads, 64, generator=gen).bfloat16() for n, heads in ((3, 4), (5, 2), (5, 2)))
+        out = torch.empty_like(q)
+        ops.bf16_prefill_attention(q, k, v, out, 0.125)
+        mask = torch.ones(3, 5, dtype=torch.bool).tril(2)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t.float().transpose(0, 1) for t in (q, k, v)), attn_mask=mask, scale=0.125, enable_gqa=True)
+        if not torch.allclose(out.float(), want.transpose(0, 1), atol=3e-2):
+            raise RuntimeError("the bf16 prefill attention kernel returned wrong values")
 
 
 def claim_intra_op_threads(device: torch.device) -> int:
@@ -112,6 +121,11 @@ def claim_intra_op_threads(device: torch.device) -> int:
 def has_bf16_linear(ops: object) -> bool:
     """Whether the library holds `bf16_linear` (built for a CPU with AVX512-BF16)."""
     return hasattr(ops, "bf16_linear")
+
+
+def has_bf16_prefill_attention(ops: object) -> bool:
+    """Whether the library holds `bf16_prefill_attention` (built for a CPU with AVX512-BF16)."""
+    return hasattr(ops, "bf16_prefill_attention")
 
 
 def pack_bf16_linear(weight: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,11 @@ Two implementations compute the same thing:
 `AttentionPlan` is built once per forward (its index tensors serve every layer) and decides which
 sequences each implementation takes: the kernel takes every sequence of a float32 or bfloat16 CPU forward
 when it built (cpu/extension.py) except prefill chunks of more than `KERNEL_MAX_QUERIES` tokens,
-where SDPA's blocked matrix products win and one gather per layer costs little against the
-chunk's compute. A CUDA paged-attention kernel would join here the same way: a plan field for
-the sequences it takes and a branch in `attend`.
+where blocked matrix products win and one gather per layer costs little against the chunk's
+compute: on AVX512-BF16 CPUs a bfloat16 chunk over its whole causal context goes to
+cpu/prefill_attention.cpp (2.2x SDPA's speed at 1000 tokens, and a row's result never depends on
+how its prompt was chunked), every other chunk to SDPA. A CUDA paged-attention kernel would join
+here the same way: a plan field for the sequences it takes and a branch in `attend`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from cpu import extension as cpu_extension
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 K/V are widened as read; sums in float32
 KERNEL_MAX_QUERIES = 2  # longer prefill chunks go to SDPA: 1.7x faster at 4 queries, 4x at 64 (docs/bench/README.md)
+PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # what cpu/prefill_attention.cpp is compiled for
 
 
 @dataclass
@@ -86,8 +89,10 @@ class AttentionPlan:
         self.kernel = _KernelArgs(taken) if taken else None
         rest = [(o, s) for o, s in pairs if not (use_kernel and s.num_new <= KERNEL_MAX_QUERIES)]
         decode = [(o, s) for o, s in rest if s.num_new == 1]
-        self.prefill = [(o, s.num_new, s.context_slots.to(device), _causal_mask(s, device))
+        # (first row, tokens, context slots, mask, whether the mask is plain causal attention)
+        self.prefill = [(o, s.num_new, s.context_slots.to(device), _causal_mask(s, device), s.mask is None)
                         for o, s in rest if s.num_new > 1]
+        self.prefill_kernel = use_kernel and cpu_extension.has_bf16_prefill_attention(cpu_extension.kernels())
         self.decode_rows = torch.tensor([o for o, _ in decode], dtype=torch.long, device=device)
         if decode:
             longest = max(s.context_len for _, s in decode)
@@ -119,8 +124,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Atte
         _attend_kernel(q, keys, values, plan.kernel, out)
     if plan.decode_rows.numel():
         _attend_decode(q, keys, values, plan, out)
-    for start, n, slots, mask in plan.prefill:
-        _attend_chunk(q, keys, values, start, n, slots, mask, out)
+    bf16_kernel = plan.prefill_kernel and q.dtype == torch.bfloat16 and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
+    for start, n, slots, mask, causal in plan.prefill:
+        if bf16_kernel and causal:
+            _attend_chunk_kernel(q, keys, values, start, n, slots, out)
+        else:
+            _attend_chunk(q, keys, values, start, n, slots, mask, out)
     return out
 
 
@@ -164,6 +173,15 @@ def _attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     else:
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     out[start : start + n] = o[0].transpose(0, 1)
+
+
+def _attend_chunk_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, n: int,
+                         slots: torch.Tensor, out: torch.Tensor) -> None:
+    """A bfloat16 chunk over its causal context (cpu/prefill_attention.cpp); `q` and `out` are
+    contiguous `[T, nh, hd]`, so their rows of the chunk are too."""
+    cpu_extension.kernels().bf16_prefill_attention(q[start : start + n], keys.index_select(0, slots),
+                                                   values.index_select(0, slots), out[start : start + n],
+                                                   q.shape[-1] ** -0.5)
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
