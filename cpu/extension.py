@@ -28,8 +28,8 @@ from common.kernel_library import KernelLibrary
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp",
-                                                                       "prefill_attention.cpp", "intra_op_threads.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / name for name in (
+    "paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "prefill_attention.cpp", "intra_op_threads.cpp"))
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
