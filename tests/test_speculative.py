@@ -267,3 +267,16 @@ def test_sliding_window_model_releases_pages_and_matches_transformers(mistral_di
     assert counts.drafted > 0
     with engine.lock:
         assert engine.allocator.num_free + engine.prefix_cache.num_cached_pages == num_pages
+
+
+def test_a_grammar_this_vocabulary_cannot_follow_is_the_request_s_fault(make_pair, tokenizer, model):
+    """llguidance's mask for `\\x1d0` lets '0' through first, which its parser then refuses (found by
+    tests/test_fuzz_rpcs.py): the request ends with INVALID_ARGUMENT, with and without drafts, and
+    gives its pages back."""
+    grammar = GrammarCompiler(tokenizer, model.config.vocab_size).compile(pb.GuidedDecoding(regex="\x1d0"))
+    for s in make_pair():
+        if isinstance(s, Scheduler):
+            (_, _, last), = _run_all(s, [_copy(tokenizer, 3)], SamplingParams(max_tokens=8, guided=grammar))
+            assert last.finish_reason == "error" and last.error_code == "INVALID_ARGUMENT", last
+            assert "cannot go on with this model's tokens" in last.error
+            _assert_no_leak(s)

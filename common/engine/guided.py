@@ -44,6 +44,12 @@ class Grammar:
         return GrammarMatcher(self)
 
 
+class GrammarDeadEnd(RuntimeError):
+    """The grammar and this model's tokens cannot go on: nothing may come next, or llguidance's
+    mask let through a token its parser then refused (a regex byte the vocabulary cannot spell
+    where llguidance expects it). A fault of the request's grammar for this model, not of the node."""
+
+
 class GrammarMatcher:
     """One sequence's position in its grammar."""
 
@@ -55,19 +61,19 @@ class GrammarMatcher:
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """`[vocab_size]` bool: the tokens that may come next. Raises RuntimeError when the
-        grammar has failed (nothing may come next)."""
+        grammar has failed (nothing may come next): GrammarDeadEnd."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         allowed = torch.zeros(vocab_size, dtype=torch.bool)
         n = min(vocab_size, bits.size)
         allowed[:n] = torch.from_numpy(bits[:n].astype(bool))
         if not bool(allowed.any()):
-            raise RuntimeError(f"the grammar allows no next token: {self._matcher.get_error() or 'dead end'}")
+            raise GrammarDeadEnd(f"the grammar allows no next token: {self._matcher.get_error() or 'dead end'}")
         return allowed
 
     def accept(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+            raise GrammarDeadEnd(f"the grammar refused token {token}: {self._matcher.get_error()}")
 
 
 class GrammarCompiler:

@@ -41,6 +41,7 @@ import torch
 
 from common.engine.core import Engine, Sequence, locked
 from common.engine.generation import Chunk, Continuation, Group, RequestHandle, Sample, Usage
+from common.engine.guided import GrammarDeadEnd
 from common.engine.loop import EngineLoop
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.engine.speculative import SpeculativeConfig, Speculator
@@ -244,10 +245,18 @@ class Scheduler(EngineLoop):
                         for sample in [r, *self._fork_samples(r)]:
                             self._emit_token(sample, sample.sampler.draw(rows[-1]))
                     except Exception as exc:  # one request's bad sample must not stop the loop
-                        log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
-                        self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+                        self._sampling_failed(r, exc)
                 elif i in scoring:
                     r.group.prompt_logprobs.add(rows, r.seq.num_computed - n)
+
+    def _sampling_failed(self, r: Sample, exc: Exception) -> None:
+        """End `r` after its sampling raised: INVALID_ARGUMENT where its grammar cannot go on with
+        this model's tokens, else INTERNAL (a bug, logged with its traceback)."""
+        if isinstance(exc, GrammarDeadEnd):
+            self._fail(r, "INVALID_ARGUMENT", f"guided decoding cannot go on with this model's tokens: {exc}")
+            return
+        log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
+        self._fail(r, "INTERNAL", f"sampling failed: {exc}")
 
     def _apply_aborts(self) -> None:
         for r in [r for r in self._active if r.request_id in self._aborts]:
@@ -346,8 +355,7 @@ class Scheduler(EngineLoop):
         try:
             self.speculator.verify(r.seq, r.sampler, rows, r.spec, emit)
         except Exception as exc:  # one request's bad sample must not stop the loop
-            log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
-            self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+            self._sampling_failed(r, exc)
             return
         if r in self._active:
             self.engine.truncate(r.seq)
