@@ -2,7 +2,9 @@
 agree, one changed element or a swapped pair of positions does not."""
 from __future__ import annotations
 
+import pytest
 import torch
+import xxhash
 
 from common.kv.pool import KVPool
 from common.transports.checksum import first_mismatch, kv_checksums
@@ -32,3 +34,19 @@ def test_one_changed_element_or_swapped_positions_are_caught_and_located():
     assert first_mismatch(kv_checksums(src, slots), kv_checksums(dst, slots)) == "layer 2 V"
     assert first_mismatch(kv_checksums(src, slots), kv_checksums(src, slots.flip(0))) == "layer 0 K"
     assert "2 per layer" in first_mismatch(kv_checksums(src, slots), [1, 2])
+
+
+def test_hashing_the_runs_where_they_lie_gives_the_digest_of_the_gathered_bytes():
+    """The CPU path streams over runs of slots; each digest must be xxh3 of the window's bytes
+    gathered in position order (what a CUDA pool hashes), runs of one slot and reversed ones included."""
+    for dtype in (torch.float32, torch.bfloat16):
+        src, _ = _pools(dtype)
+        slots = torch.tensor([9, 10, 11, 12, 2, 30, 31, 0, 1, 17])
+        gathered = src.data[:, :, slots].contiguous().view(torch.uint8).reshape(6, -1).numpy()
+        assert kv_checksums(src, slots) == [xxhash.xxh3_64_intdigest(row) for row in gathered]
+
+
+def test_slots_outside_the_pool_are_refused():
+    src, _ = _pools(torch.float32)
+    with pytest.raises(IndexError):
+        kv_checksums(src, torch.tensor([30, 31, 32]))

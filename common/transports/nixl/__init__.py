@@ -25,7 +25,8 @@ either class, in every process):
 * With ``tcp`` the data only moves while *both* sides make UCX progress: the initiator does so in
   :meth:`NixlInitiator.wait`, the target in :meth:`NixlTarget.poll_notifications`. NIXL's
   progress thread is off (small machines), so the decode node must keep polling (every
-  millisecond or so) while transfers are expected. With ``sm`` the initiator does the copy.
+  millisecond or so) while transfers are expected. With ``sm`` the initiator does the copy, and
+  the receiver polls lazily (``receiver.target_must_progress``).
 * Start worker processes with the ``spawn`` start method, never ``fork`` after UCX is up.
 * Pools on a CUDA device are registered as ``VRAM`` (with the device index), host pools as
   ``DRAM``. For VRAM pools UCX needs its CUDA transports: ``UCX_TLS=cuda_ipc,cuda_copy,sm,self``
