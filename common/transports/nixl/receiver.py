@@ -51,8 +51,9 @@ class NixlReceiver:
         self._name = name
         self._cuda_device = pool.data.device if pool.data.is_cuda else None
         self._pending = transfers_pending
-        self._busy_poll_s = BUSY_POLL_S if target_must_progress(os.environ.get("UCX_TLS")) else IDLE_POLL_S
-        log.info("nixl receiver", extra={"fields": {"ucx_tls": os.environ.get("UCX_TLS", "<unset>"),
+        ucx_tls = os.environ.get("UCX_TLS")
+        self._busy_poll_s = BUSY_POLL_S if target_must_progress(ucx_tls) else IDLE_POLL_S
+        log.info("nixl receiver", extra={"fields": {"ucx_tls": ucx_tls or "<unset>",
                                                     "poll_ms_while_receiving": 1e3 * self._busy_poll_s}})
         self._stopped = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="nixl-progress", daemon=True)
