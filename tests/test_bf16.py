@@ -44,11 +44,16 @@ def test_bf16_engine_agrees_with_transformers_bf16(model_bf16, tokenizer, hf_mod
     - our next token is transformers' bf16 one at >= 99% of positions, a position counting as
       agreeing where transformers' bf16 logits cannot order the two tokens (they lie within one
       bf16 step of each other: a tie at that precision); the strict share is printed;
-    - we agree with transformers in fp32 at least as often as transformers' bf16 does (less one
-      position in a hundred);
+    - where our token is not transformers' fp32 one, fp32's own logits nearly tie the two: they
+      lie closer than bf16's error (the largest |bf16 - fp32| logit transformers shows on that
+      prompt), so no bf16 engine could be asked to order them. How often each bf16 side picks the
+      fp32 token is printed, not compared: with a few hundred positions, two or three near-ties
+      decide it (transformers' bf16 scored 98.4% on one CPU and 100% on another, ours 98.4% and
+      97.9% there; over 960 positions 98.2% and 97.7%);
     - our logits are within 1.5x bf16's own error (transformers bf16 against fp32) of
       transformers' bf16 logits."""
     agree = strict = ours_exact = theirs_exact = total = 0
+    far_from_fp32 = []  # (prompt, fp32 logit gap, bf16 error) where we leave fp32's token for a far one
     for prompt in PROMPTS:
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
         continuation = hf_greedy(hf_model_bf16, ids, CONTINUATION)
@@ -67,11 +72,13 @@ def test_bf16_engine_agrees_with_transformers_bf16(model_bf16, tokenizer, hf_mod
         total += len(continuation)
         bf16_noise = (ref - exact).abs().max().item()
         assert bf16_noise > 0.05  # the reference really ran in bf16
+        fp32_gap = exact.gather(1, truth[:, None])[:, 0] - exact.gather(1, mine[:, None])[:, 0]
+        far_from_fp32 += [(prompt[:30], g, bf16_noise) for g in fp32_gap.tolist() if g > bf16_noise]
         assert (ours - ref).abs().max().item() <= 1.5 * bf16_noise, prompt
     print(f"bf16 next-token agreement with transformers bf16: {agree / total:.3f} (strict {strict / total:.3f}); "
           f"with fp32: ours {ours_exact / total:.3f}, transformers bf16 {theirs_exact / total:.3f}")
     assert agree / total >= AGREEMENT
-    assert ours_exact / total >= theirs_exact / total - 0.01
+    assert not far_from_fp32
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,18 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX)."""
+    return any(flag in cpu_flags() for flag in CPU_BF16_FLAGS)
+
+
 def resolve_dtype(device: str, dtype: str) -> str:
     """The concrete dtype `--dtype` means on `device`; ValueError naming the flag when this
     combination cannot run."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if dtype == "auto":
-        if device != "cpu" or any(flag in cpu_flags() for flag in CPU_BF16_FLAGS):
-            return "bfloat16"
-        return "float32"
+        return "bfloat16" if device != "cpu" or native_cpu_bf16() else "float32"
     if device == "cpu" and dtype == "float16":
         raise ValueError("--dtype float16 needs --device cuda: on the CPU use bfloat16 (native with "
                          "AVX512-BF16 or AMX) or float32")
