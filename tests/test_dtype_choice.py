@@ -33,6 +33,18 @@ def test_explicit_dtypes_and_refusals():
         dtype_choice.resolve_dtype("cpu", "fp8")
 
 
+@pytest.mark.parametrize(("flags", "device", "dtype", "emulated"), [
+    ({"avx2"}, "cpu", "bfloat16", True),  # asked for on a CPU that only emulates it: warned at start
+    ({"avx2"}, "cpu", "auto", False),  # auto picks float32 there
+    ({"avx512_bf16"}, "cpu", "bfloat16", False),
+    ({"amx_bf16"}, "cpu", "bfloat16", False),
+    (set(), "cuda", "bfloat16", False),
+])
+def test_emulated_bf16_is_named(monkeypatch, flags, device, dtype, emulated):
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: flags)
+    assert dtype_choice.emulated_bf16(device, dtype) is emulated
+
+
 def test_config_resolves_auto(monkeypatch):
     monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx512_bf16"})
     config = DecodeNodeConfig()

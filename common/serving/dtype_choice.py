@@ -38,3 +38,10 @@ def resolve_dtype(device: str, dtype: str) -> str:
         raise ValueError("--dtype float16 needs --device cuda: on the CPU use bfloat16 (native with "
                          "AVX512-BF16 or AMX) or float32")
     return dtype
+
+
+def emulated_bf16(device: str, dtype: str) -> bool:
+    """Whether `--dtype` runs bfloat16 on a CPU that only emulates it: asked for explicitly, as
+    `auto` never picks it there. Measured on an AVX2 CPU (`scripts.bench_engine --quick`): prefill
+    6x and batch-8 decode 2x slower than float32. The daemons warn at start."""
+    return device == "cpu" and resolve_dtype(device, dtype) == "bfloat16" and not native_cpu_bf16()
