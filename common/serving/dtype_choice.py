@@ -41,7 +41,7 @@ def resolve_dtype(device: str, dtype: str) -> str:
 
 
 def emulated_bf16(device: str, dtype: str) -> bool:
-    """Whether `--dtype` runs bfloat16 on a CPU that only emulates it: asked for explicitly, as
-    `auto` never picks it there. Measured on an AVX2 CPU (`scripts.bench_engine --quick`): prefill
-    6x and batch-8 decode 2x slower than float32. The daemons warn at start."""
-    return device == "cpu" and resolve_dtype(device, dtype) == "bfloat16" and not native_cpu_bf16()
+    """Whether the concrete `dtype` is bfloat16 on a CPU that only emulates it (asked for
+    explicitly: `auto` never picks it there). Measured on an AVX2 CPU (`scripts.bench_engine
+    --quick`): prefill 6x and batch-8 decode 2x slower than float32. The daemons warn at start."""
+    return device == "cpu" and dtype == "bfloat16" and not native_cpu_bf16()

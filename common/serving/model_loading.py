@@ -25,11 +25,12 @@ def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float
     started = time.monotonic()
     model = LlamaModel(with_attention_sinks(load_checkpoint(path), attention_sinks), dtype=dtype, device=device)
     tokenizer = load_tokenizer(path)
+    dtype_name = str(dtype).removeprefix("torch.")
     log.info("model loaded", extra={"fields": {
-        "model": str(path), "layers": model.config.num_layers, "dtype": str(dtype).removeprefix("torch."),
-        "dtype_flag": dtype_flag or str(dtype).removeprefix("torch."),
+        "model": str(path), "layers": model.config.num_layers, "dtype": dtype_name,
+        "dtype_flag": dtype_flag or dtype_name,
         "device": str(model.device), "seconds": round(time.monotonic() - started, 2)}})
-    if dtype == torch.bfloat16 and emulated_bf16(model.device.type, "bfloat16"):
+    if emulated_bf16(model.device.type, dtype_name):
         log.warning("bfloat16 is emulated on this CPU", extra={"fields": {
             "missing_cpu_flags": " or ".join(CPU_BF16_FLAGS),
             "hint": "--dtype float32 (what --dtype auto picks here) prefills about 6x faster"}})
