@@ -2,11 +2,14 @@
 to Prometheus."""
 from __future__ import annotations
 
+import logging
+
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.engine.core import Engine
-from common.serving import dtype_choice
+from common.serving import dtype_choice, model_loading
 from common.serving.fingerprint import fingerprint_of, mismatch
 from common.serving.pool_metrics import register_pool_gauges
 from decode_node.config import DecodeNodeConfig
@@ -43,6 +46,14 @@ def test_explicit_dtypes_and_refusals():
 def test_emulated_bf16_is_named(monkeypatch, flags, device, dtype, emulated):
     monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: flags)
     assert dtype_choice.emulated_bf16(device, dtype) is emulated
+
+
+@pytest.mark.parametrize(("flags", "warned"), [({"avx2"}, True), ({"avx512_bf16"}, False)])
+def test_loading_bf16_where_it_is_emulated_warns(monkeypatch, caplog, flags, warned):
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: flags)
+    with caplog.at_level(logging.WARNING, logger=model_loading.__name__):
+        model_loading.load_model_and_tokenizer(None, torch.bfloat16, dtype_flag="bfloat16")
+    assert ("bfloat16 is emulated on this CPU" in caplog.messages) is warned
 
 
 def test_config_resolves_auto(monkeypatch):
