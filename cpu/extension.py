@@ -94,11 +94,12 @@ def _smoke_test(ops: object) -> None:
         if not torch.allclose(out.float(), want.transpose(0, 1), atol=atol):
             raise RuntimeError(f"the paged attention kernel returned wrong values in {dtype}")
     if has_bf16_linear(ops):
-        x, w = torch.randn(3, 6, generator=gen).bfloat16(), torch.randn(64, 6, generator=gen).bfloat16()
-        out = torch.empty(3, 64, dtype=torch.bfloat16)
-        ops.bf16_linear(x, pack_bf16_linear(w), torch.empty(0), out)
-        if not torch.allclose(out.float(), x.float() @ w.float().T, atol=5e-2, rtol=1e-2):
-            raise RuntimeError("the bf16 linear kernel returned wrong values")
+        x, w = torch.randn(3, 32, generator=gen).bfloat16(), torch.randn(64, 32, generator=gen).bfloat16()
+        for amx in {False, bool(ops.bf16_linear_amx_available())}:
+            out = torch.empty(3, 64, dtype=torch.bfloat16)
+            ops.bf16_linear(x, pack_bf16_linear(w), torch.empty(0), out, amx)
+            if not torch.allclose(out.float(), x.float() @ w.float().T, atol=5e-2, rtol=1e-2):
+                raise RuntimeError(f"the bf16 linear kernel returned wrong values (amx={amx})")
     if has_bf16_prefill_attention(ops):
         q, k, v = (torch.randn(n, heads, 64, generator=gen).bfloat16() for n, heads in ((3, 4), (5, 2), (5, 2)))
         out = torch.empty_like(q)
@@ -121,6 +122,13 @@ def claim_intra_op_threads(device: torch.device) -> int:
 def has_bf16_linear(ops: object) -> bool:
     """Whether the library holds `bf16_linear` (built for a CPU with AVX512-BF16)."""
     return hasattr(ops, "bf16_linear")
+
+
+def bf16_linear_uses_amx(ops: object, in_features: int) -> bool:
+    """Whether `bf16_linear` takes its AMX path for a layer of `in_features` inputs: where the
+    library was built for AMX, Linux granted this process the tiles, and the layer's inputs fill
+    whole 32-value tile rows. Decided per layer, once: a layer's two paths round differently."""
+    return in_features % 32 == 0 and bool(ops.bf16_linear_amx_available())
 
 
 def has_bf16_prefill_attention(ops: object) -> bool:

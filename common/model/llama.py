@@ -33,6 +33,18 @@ class ForwardBatch:
         return torch.cat([s.context_slots[s.context_len - s.num_new :] for s in self.slices])
 
 
+def _rope_table(f, angles: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cos or sin of the float32 `angles`, in `dtype`. float32 keeps torch's float32 functions
+    (what transformers computes, token for token). Below float32 the value is taken in float64
+    and rounded once: torch's float32 cos over this table did not give the same bits in every
+    process (in about 1 in 20 processes on a loaded 2-core AMX machine some entries differed,
+    and a bf16 stream then parted from another node's at a near-tie), while a float64 value's
+    last-bit noise never reaches a bf16 rounding."""
+    if dtype == torch.float32:
+        return f(angles)
+    return f(angles.double()).to(dtype)
+
+
 class LlamaModel:
     """Inference-only weights and forward; parameters are fused (QKV, gate+up) for speed."""
 
@@ -69,8 +81,7 @@ class LlamaModel:
             })
         angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), cfg.rope_inv_freq())
         angles = torch.cat([angles, angles], dim=-1)
-        self.rope_cos = angles.cos().to(device=device, dtype=dtype)
-        self.rope_sin = angles.sin().to(device=device, dtype=dtype)
+        self.rope_cos, self.rope_sin = (_rope_table(f, angles, dtype).to(device) for f in (torch.cos, torch.sin))
         # Read K/V in place with the CPU kernel when it builds (common/model/paged_attention.py).
         self.attention_kernel = kernel_enabled(self.device, dtype)
         # A bf16 CPU layer's RMSNorm and RoPE as one call each (cpu/bf16_pointwise.cpp), rounding as

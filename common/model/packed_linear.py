@@ -52,6 +52,7 @@ class Linear:
         self.bias = bias
         self.out_features = weight.shape[0]
         self.kernel = _bf16_kernel(weight)
+        self.amx = self.kernel is not None and cpu_extension.bf16_linear_uses_amx(self.kernel, weight.shape[1])
         self.packed = self.kernel is None and _can_pack(weight)
         if self.kernel is not None:
             self.weight = cpu_extension.pack_bf16_linear(weight)
@@ -61,10 +62,18 @@ class Linear:
         else:
             self.weight = weight
 
+    @property
+    def instructions(self) -> str:
+        """What computes this layer's products: `amx` or `avx512_bf16` (cpu/bf16_linear.cpp),
+        `onednn` (packed weights) or `torch` (`F.linear`)."""
+        if self.kernel is not None:
+            return "amx" if self.amx else "avx512_bf16"
+        return "onednn" if self.packed else "torch"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-            self.kernel.bf16_linear(x.contiguous(), self.weight, self.bias, out)
+            self.kernel.bf16_linear(x.contiguous(), self.weight, self.bias, out, self.amx)
             return out
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
