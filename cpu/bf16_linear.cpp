@@ -141,9 +141,9 @@ void amx_block(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* wg, c
 
 void amx_groups(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, uint16_t* out,
                 int64_t N, int64_t g0, int64_t g1) {
-  const TileConfig full = tile_config(kTileRows), tail = tile_config(M % kTileRows);
   const int64_t full_rows = M - M % kTileRows;
   if (full_rows > 0) {
+    const TileConfig full = tile_config(kTileRows);
     _tile_loadconfig(&full);
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t m = 0; m < full_rows; m += kTileRows)
@@ -151,6 +151,7 @@ void amx_groups(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
                   out + m * N + g * kGroup, N);
   }
   if (full_rows < M) {
+    const TileConfig tail = tile_config(M - full_rows);
     _tile_loadconfig(&tail);
     for (int64_t g = g0; g < g1; ++g)
       amx_block(x + full_rows * K, M - full_rows, K, w + g * K * kGroup, bias ? bias + g * kGroup : nullptr,
@@ -162,8 +163,6 @@ void amx_groups(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
 #else
 bool amx_available() { return false; }
 #endif
-
-bool bf16_linear_amx_available() { return amx_available(); }
 
 void bf16_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
@@ -202,7 +201,7 @@ TORCH_LIBRARY_FRAGMENT(duet_cpu, m) {
 TORCH_LIBRARY_IMPL(duet_cpu, CPU, m) { m.impl("bf16_linear", bf16_linear); }
 
 TORCH_LIBRARY_IMPL(duet_cpu, CompositeExplicitAutograd, m) {
-  m.impl("bf16_linear_amx_available", bf16_linear_amx_available);
+  m.impl("bf16_linear_amx_available", amx_available);
 }
 
 #endif  // __AVX512BF16__
