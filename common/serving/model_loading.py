@@ -29,7 +29,8 @@ def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float
     log.info("model loaded", extra={"fields": {
         "model": str(path), "layers": model.config.num_layers, "dtype": dtype_name,
         "dtype_flag": dtype_flag or dtype_name,
-        "device": str(model.device), "linear": model.lm_head.instructions, "seconds": round(time.monotonic() - started, 2)}})
+        "device": str(model.device), "linear": model.lm_head.instructions,
+        "seconds": round(time.monotonic() - started, 2)}})
     if emulated_bf16(model.device.type, dtype_name):
         log.warning("bfloat16 is emulated on this CPU", extra={"fields": {
             "missing_cpu_flags": " or ".join(CPU_BF16_FLAGS),
