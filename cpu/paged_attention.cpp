@@ -13,6 +13,11 @@
 //   masks         [M] bool: row-major [queries, context_len] masks, concatenated
 //   mask_at       [B] int64: where a sequence's mask starts in masks; -1 = causal
 // Query head h reads KV head h / (num_heads / num_kv_heads), as transformers' repeat_kv does.
+//
+// Work items are (sequence, block of queries, part of the context): a context longer than
+// kKeyPart keys is attended in parts on any threads and the parts merged in key order, so
+// a single decoding sequence of a long context uses every thread, while the split depends on
+// the context alone (a row's result never depends on its batch or the thread count).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -24,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -32,10 +38,18 @@ namespace {
 
 constexpr int64_t kQueryBlock = 4;  // queries that share one pass over the keys
 constexpr int64_t kKeyBlock = 64;  // keys scored before their values are accumulated
+constexpr int64_t kScoreBlock = 16;  // keys scored together in vdpbf16ps (one vector of scores)
+// Keys per work item: a long context is split into parts of this many keys, each attended on
+// its own (running max, sum and weighted values), then merged in order. The split depends on the
+// context length only, never on the batch or the thread count, so a row's result stays the same
+// whatever runs beside it; it lets one decoding sequence use every thread.
+constexpr int64_t kKeyPart = 256;
 constexpr int64_t kPrefetch = 4;  // rows ahead to prefetch: slots are scattered over pages
 
+// Queries [first, end) of a sequence, every head, over keys [key_begin, key_end): one of `parts`.
 struct Item {
-  int64_t seq, first, end;  // queries [first, end) of a sequence, every head
+  int64_t seq, first, end, key_begin, key_end, parts;
+  int64_t partial;  // -1: the only part, written to out; else its index in the partial states
 };
 
 // A row of `n` elements as float32: the row itself for float, else widened into `buffer`.
@@ -50,6 +64,21 @@ inline const float* widen(const T* row, float* buffer, int64_t n) {
   }
 }
 
+// exp(x) for x <= 0 (a score minus its row's max), 0 below -87 (exp(-inf): a key not attended).
+// Written to vectorize inside `omp simd` loops, where std::exp stays a scalar call per key
+// (without -ffast-math): 2^n by the exponent bits, exp of the remainder |r| <= ln2/2 by its
+// Taylor series to r^6 (relative error 1.2e-7, about one float ulp).
+inline float exp_nonpositive(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;  // ln 2 in two parts
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   // A vector multiply-add over d, then one tree reduction of the lanes.
   float s = 0.f;
@@ -60,22 +89,42 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
-// q . k of two bfloat16 rows: vdpbf16ps multiplies pairs exactly and sums in float32, then one
-// tree reduction of the lanes; neither row is widened first. n is a multiple of 32.
-inline float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n) {
-  __m512 s = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += 32)
-    s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
-  return _mm512_reduce_add_ps(s);
+// The 16 lane sums of v[0..16) as one vector (lane t: the sum of v[t]): pairs of vectors are
+// interleaved and added, halving their count at each level, in 45 instructions where 16
+// separate lane reductions take about 130.
+inline __m512 sum16(__m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// scores[jj] = q . k_rows[jj] for the nk <= 16 keys of a block, bfloat16 rows of HD (a multiple
+// of 32) meeting in vdpbf16ps as they lie: pairs multiplied exactly, summed in float32.
+template <int64_t HD>
+inline void score_block(const c10::BFloat16* q, const c10::BFloat16* const* k_rows, int64_t nk, float* scores) {
+  __m512bh qv[HD / 32];
+  __m512 acc[kScoreBlock];
+  for (int64_t c = 0; c < HD / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int64_t jj = 0; jj < kScoreBlock; ++jj) {
+    acc[jj] = _mm512_setzero_ps();
+    if (jj < nk) {
+      for (int64_t c = 0; c < HD / 32; ++c)
+        acc[jj] = _mm512_dpbf16_ps(acc[jj], qv[c], (__m512bh)_mm512_loadu_si512(k_rows[jj] + 32 * c));
+    }
+  }
+  _mm512_storeu_ps(scores, sum16(acc));
 }
 #else
 constexpr bool kBf16Dot = false;
 #endif
-
-inline void axpy(float* acc, float p, const float* v, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
-}
 
 void check(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& out,
            const at::Tensor& slots, const at::Tensor& seqs, const at::Tensor& masks, const at::Tensor& mask_at) {
@@ -118,10 +167,20 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       TORCH_CHECK(slot[s[2] + j] >= 0 && slot[s[2] + j] < num_slots, "slot out of range");
     }
   }
+  // The items; a query block of more than one part is a split, merged after all items ran.
   std::vector<Item> items;
+  std::vector<int64_t> splits;  // the first item of each split
+  int64_t partials = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
-    for (int64_t i = 0; i < sq[4 * b + 1]; i += kQueryBlock) {
-      items.push_back({b, i, std::min(i + kQueryBlock, sq[4 * b + 1])});
+    const int64_t num_new = sq[4 * b + 1], ctx = sq[4 * b + 3];
+    for (int64_t i = 0; i < num_new; i += kQueryBlock) {
+      const int64_t end = std::min(i + kQueryBlock, num_new), keys_end = ctx - num_new + end;
+      const int64_t parts = (keys_end + kKeyPart - 1) / kKeyPart;
+      if (parts > 1) splits.push_back(static_cast<int64_t>(items.size()));
+      for (int64_t p = 0; p < parts; ++p) {
+        items.push_back({b, i, end, p * kKeyPart, std::min((p + 1) * kKeyPart, keys_end), parts,
+                         parts > 1 ? partials++ : -1});
+      }
     }
   }
   const T* qd = q.data_ptr<T>();
@@ -130,108 +189,144 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   T* od = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t row = kv_heads * hd;  // elements per slot
-  // Where query head h's KV head starts in a slot's row, computed once: a division per key and
-  // head cost more than the arithmetic it indexes.
-  std::vector<int64_t> kv_offset(heads);
-  for (int64_t h = 0; h < heads; ++h) kv_offset[h] = h / group * hd;
+  // A part's state, per (query, head) row r = query * heads + head: the running max score, the
+  // sum of exp(score - max), and the weighted sum of values (hd floats).
+  const int64_t state_row = 2 + hd, state_size = kQueryBlock * heads * state_row;
+  std::vector<float> partial_states(partials * state_size);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    // One pass over the keys in blocks, with a running max and sum per (query, head) row
-    // (online softmax): each key and value row is read once, while its block is in cache.
-    std::vector<float> scores, acc, maxes, sums, qf(kQueryBlock * heads * hd), kf(row), vf(kKeyBlock * row);
-    std::vector<const float*> v_rows(kKeyBlock);
+    // One pass over the part's keys in blocks, with a running max and sum per row (online
+    // softmax): each key and value row is read once, while its block is in cache.
+    std::vector<float> scores(kQueryBlock * heads * kKeyBlock), own_state(state_size), qf(hd), vf(kKeyBlock * row);
+    std::vector<const T*> k_rows(kv_heads * kKeyBlock);  // [kv head][key of the block]
+    const float* v_rows[kKeyBlock];
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
       const int64_t* s = sq + 4 * item.seq;
       const int64_t q_row = s[0], num_new = s[1], ctx = s[3];
       const int64_t* ctx_slots = slot + s[2];
       const bool* mask = mat[item.seq] < 0 ? nullptr : mask_data + mat[item.seq];
-      const int64_t nq = item.end - item.first, rows = nq * heads;  // (query, head) pairs
-      scores.assign(rows * kKeyBlock, 0.f);
-      acc.assign(rows * hd, 0.f);
-      maxes.assign(rows, -std::numeric_limits<float>::infinity());
-      sums.assign(rows, 0.f);
-      // The item's queries as float32: qf + ((i - item.first) * heads + h) * hd.
-      const float* queries = widen(qd + (q_row + item.first) * heads * hd, qf.data(), rows * hd);
-      // Causal: query i attends context positions up to ctx - num_new + i.
-      const int64_t keys_end = ctx - num_new + item.end;
-      for (int64_t j0 = 0; j0 < keys_end; j0 += kKeyBlock) {
-        const int64_t nk = std::min(kKeyBlock, keys_end - j0);
+      const int64_t rows = (item.end - item.first) * heads;
+      float* state = item.partial < 0 ? own_state.data() : partial_states.data() + item.partial * state_size;
+      for (int64_t r = 0; r < rows; ++r) {
+        state[r * state_row] = kNegInf;
+        std::fill(state + r * state_row + 1, state + (r + 1) * state_row, 0.f);
+      }
+      // Query i attends context positions up to ctx - num_new + i (and the mask's, if any):
+      // only a block reaching past the first query's last position needs masking.
+      const int64_t first_limit = ctx - num_new + item.first;
+      for (int64_t j0 = item.key_begin; j0 < item.key_end; j0 += kKeyBlock) {
+        const int64_t nk = std::min(kKeyBlock, item.key_end - j0);
         for (int64_t jj = 0; jj < nk; ++jj) {
-          const int64_t j = j0 + jj;
-          if (jj + kPrefetch < nk) {
+          if (j0 + jj + kPrefetch < item.key_end) {
+            const int64_t ahead = ctx_slots[j0 + jj + kPrefetch] * row;
             for (int64_t off = 0; off < row; off += kLine) {
-              __builtin_prefetch(kd + ctx_slots[j + kPrefetch] * row + off);
-              __builtin_prefetch(vd + ctx_slots[j + kPrefetch] * row + off);
+              __builtin_prefetch(kd + ahead + off);
+              __builtin_prefetch(vd + ahead + off);
             }
           }
-          // bfloat16 rows (head dims of 32s) meet in vdpbf16ps as they lie; others are widened.
-          constexpr bool raw = kBf16Dot && std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
-          const T* k_row = kd + ctx_slots[j] * row;
-          const float* k = raw ? nullptr : widen(k_row, kf.data(), row);
-          for (int64_t i = item.first; i < item.end; ++i) {
-            const bool attends = j <= ctx - num_new + i && (!mask || mask[i * ctx + j]);
-            for (int64_t h = 0; h < heads; ++h) {
-              const int64_t r = (i - item.first) * heads + h;
-              float score;
-              if constexpr (raw) {
-                score = dot(qd + ((q_row + i) * heads + h) * hd, k_row + kv_offset[h], hd);
-              } else {
-                score = dot(queries + r * hd, k + kv_offset[h], hd);
-              }
-              scores[r * kKeyBlock + jj] = attends ? fscale * score : -std::numeric_limits<float>::infinity();
+          for (int64_t kvh = 0; kvh < kv_heads; ++kvh) k_rows[kvh * kKeyBlock + jj] = kd + ctx_slots[j0 + jj] * row + kvh * hd;
+        }
+        const bool masked = mask || j0 + nk - 1 > first_limit;
+        for (int64_t i = item.first, r = 0; i < item.end; ++i) {
+          for (int64_t h = 0; h < heads; ++h, ++r) {
+            const T* q_head = qd + ((q_row + i) * heads + h) * hd;
+            const T* const* k_block = k_rows.data() + h / group * kKeyBlock;
+            float* sc = scores.data() + r * kKeyBlock;
+            // bfloat16 rows (head dims of 32s) meet in vdpbf16ps as they lie; others are widened.
+            if constexpr (kBf16Dot && std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0) {
+              for (int64_t j = 0; j < nk; j += kScoreBlock)
+                score_block<HD>(q_head, k_block + j, std::min(kScoreBlock, nk - j), sc + j);
+            } else {
+              const float* qf_head = widen(q_head, qf.data(), hd);
+              for (int64_t jj = 0; jj < nk; ++jj) sc[jj] = dot(qf_head, widen(k_block[jj], vf.data(), hd), hd);
+            }
+            for (int64_t jj = 0; jj < nk; ++jj) {
+              const int64_t j = j0 + jj;
+              const bool attends = !masked || (j <= ctx - num_new + i && (!mask || mask[i * ctx + j]));
+              sc[jj] = attends ? fscale * sc[jj] : kNegInf;
             }
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* sc = scores.data() + r * kKeyBlock;
-          float m = maxes[r];
+          float* st = state + r * state_row;
+          float m = st[0];
+#pragma omp simd reduction(max : m)
           for (int64_t jj = 0; jj < nk; ++jj) m = std::max(m, sc[jj]);
-          if (m == -std::numeric_limits<float>::infinity()) {
+          if (m == kNegInf) {
             for (int64_t jj = 0; jj < nk; ++jj) sc[jj] = 0.f;
             continue;  // nothing attended yet
           }
-          const float rescale = std::exp(maxes[r] - m);  // 0 when maxes[r] is -inf
+          const float rescale = exp_nonpositive(st[0] - m);  // 0 when the max was -inf
           if (rescale != 1.f) {
-            float* a = acc.data() + r * hd;
-            for (int64_t d = 0; d < hd; ++d) a[d] *= rescale;
+            for (int64_t d = 0; d < hd; ++d) st[2 + d] *= rescale;
           }
           float total = 0.f;
 #pragma omp simd reduction(+ : total)
           for (int64_t jj = 0; jj < nk; ++jj) {
-            sc[jj] = expf(sc[jj] - m);  // exp(-inf) = 0 for keys not attended
+            sc[jj] = exp_nonpositive(sc[jj] - m);  // 0 for keys not attended
             total += sc[jj];
           }
-          total += sums[r] * rescale;
-          maxes[r] = m;
-          sums[r] = total;
+          st[0] = m;
+          st[1] = st[1] * rescale + total;
         }
-        // Values: the block's rows widened once, then each (query, head) row sums over the block
-        // into an accumulator the compiler keeps in registers (HD known), stored once per block.
+        // Values: the block's rows widened once, then each row sums over the block into an
+        // accumulator the compiler keeps in registers (HD known), stored once per block.
         for (int64_t jj = 0; jj < nk; ++jj) v_rows[jj] = widen(vd + ctx_slots[j0 + jj] * row, vf.data() + jj * row, row);
         for (int64_t r = 0, h = 0; r < rows; ++r, h = h + 1 == heads ? 0 : h + 1) {
           const float* sc = scores.data() + r * kKeyBlock;
+          const int64_t kv_offset = h / group * hd;
           float a[HD > 0 ? HD : 1];
-          float* out_row = acc.data() + r * hd;
+          float* out_row = state + r * state_row + 2;
           float* sum_into = HD > 0 ? a : out_row;
           if constexpr (HD > 0) {
             for (int64_t d = 0; d < HD; ++d) a[d] = out_row[d];
           }
           for (int64_t jj = 0; jj < nk; ++jj) {
-            if (sc[jj] != 0.f) axpy(sum_into, sc[jj], v_rows[jj] + kv_offset[h], hd);
+            if (sc[jj] != 0.f) {
+              const float p = sc[jj], *v = v_rows[jj] + kv_offset;
+#pragma omp simd
+              for (int64_t d = 0; d < hd; ++d) sum_into[d] += p * v[d];
+            }
           }
           if constexpr (HD > 0) {
             for (int64_t d = 0; d < HD; ++d) out_row[d] = a[d];
           }
         }
       }
-      for (int64_t i = item.first; i < item.end; ++i) {
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t r = (i - item.first) * heads + h;
-          T* o = od + ((q_row + i) * heads + h) * hd;
-          const float inv = 1.f / sums[r];  // > 0: every query attends at least itself
-          for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<T>(acc[r * hd + d] * inv);
+      if (item.partial < 0) {
+        T* o = od + (q_row + item.first) * heads * hd;  // the item's rows, in order
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* st = state + r * state_row;
+          const float inv = 1.f / st[1];  // > 0: every query attends at least itself
+          for (int64_t d = 0; d < hd; ++d) o[r * hd + d] = static_cast<T>(st[2 + d] * inv);
         }
+      }
+    }
+  });
+  // Merge the parts of each split, in key order: each part's sums rescaled to the largest max.
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hd);
+    for (int64_t sp = begin; sp < end; ++sp) {
+      const Item& first = items[splits[sp]];
+      const float* part0 = partial_states.data() + first.partial * state_size;
+      T* o = od + (sq[4 * first.seq] + first.first) * heads * hd;
+      for (int64_t r = 0; r < (first.end - first.first) * heads; ++r) {
+        float m = kNegInf;
+        for (int64_t p = 0; p < first.parts; ++p) m = std::max(m, part0[p * state_size + r * state_row]);
+        float total = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < first.parts; ++p) {
+          const float* st = part0 + p * state_size + r * state_row;
+          if (st[0] == kNegInf) continue;  // a part this row attends nothing of
+          const float w = exp_nonpositive(st[0] - m);
+          total += st[1] * w;
+          for (int64_t d = 0; d < hd; ++d) acc[d] += st[2 + d] * w;
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < hd; ++d) o[r * hd + d] = static_cast<T>(acc[d] * inv);
       }
     }
   });

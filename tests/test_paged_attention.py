@@ -1,6 +1,8 @@
 """The CPU paged-attention kernel (cpu/paged_attention.cpp) against the torch fallback and
 against dense attention computed independently here: decode and short chunks, grouped-query heads,
-sliding-window masks with sinks, slots scattered over the pool, kernel and SDPA slices interleaved."""
+sliding-window masks with sinks, slots scattered over the pool, kernel and SDPA slices interleaved,
+contexts the kernel splits into parts (a window's middle parts attend nothing), and a row's bits
+independent of the rows computed beside it."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +13,8 @@ from common.engine.attention_window import AttentionWindow
 from common.model.paged_attention import KERNEL_MAX_QUERIES, AttentionPlan, SequenceSlice, attend, kernel_enabled
 from cpu import extension
 
-NH, KVH, HD, SLOTS = 6, 2, 16, 512
+NH, KVH, HD, SLOTS = 6, 2, 16, 2048
+KEY_PART = 256  # cpu/paged_attention.cpp kKeyPart: longer contexts are attended in parts, then merged
 CPU = torch.device("cpu")
 
 needs_kernel = pytest.mark.skipif(not kernel_enabled(CPU, torch.float32),
@@ -63,7 +66,8 @@ def test_kernel_equals_fallback_and_dense(window: AttentionWindow | None, dtype:
     gen = torch.Generator().manual_seed(0)
     keys, values = (torch.randn(SLOTS, KVH, head_dim, generator=gen).to(dtype) for _ in range(2))
     # decodes, a prefill chunk the kernel does not take between them, a whole-prompt chunk
-    shapes = [(1, 37), (KERNEL_MAX_QUERIES + 3, 50), (1, 1), (KERNEL_MAX_QUERIES, 20), (1, 90), (7, 7)]
+    shapes = [(1, 37), (KERNEL_MAX_QUERIES + 3, 50), (1, 1), (KERNEL_MAX_QUERIES, 20), (1, 90), (7, 7),
+              (1, 3 * KEY_PART + 5), (KERNEL_MAX_QUERIES, 2 * KEY_PART + 1), (1, KEY_PART), (1, KEY_PART + 1)]
     slices = _slices(gen, shapes, window)
     q = torch.randn(sum(n for n, _ in shapes), NH, head_dim, generator=gen).to(dtype)
     with_kernel = AttentionPlan(slices, CPU, use_kernel=True)
@@ -75,6 +79,24 @@ def test_kernel_equals_fallback_and_dense(window: AttentionWindow | None, dtype:
     torch.testing.assert_close(got.float(), dense, rtol=tol, atol=tol)
     fallback = attend(q, keys, values, AttentionPlan(slices, CPU, use_kernel=False))
     torch.testing.assert_close(got.float(), fallback.float(), rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
+    """Each sequence's rows attended alone and in a batch with others (long contexts split into
+    parts among them) are the same bits: a request's tokens never depend on what runs beside it."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(SLOTS, KVH, 64, generator=gen).to(dtype) for _ in range(2))
+    shapes = [(1, 700), (1, 3), (KERNEL_MAX_QUERIES, 300), (1, KEY_PART + 17)]
+    slices = _slices(gen, shapes, None)
+    q = torch.randn(sum(n for n, _ in shapes), NH, 64, generator=gen).to(dtype)
+    together = attend(q, keys, values, AttentionPlan(slices, CPU, use_kernel=True))
+    start = 0
+    for s in slices:
+        alone = attend(q[start : start + s.num_new], keys, values, AttentionPlan([s], CPU, use_kernel=True))
+        assert torch.equal(alone, together[start : start + s.num_new])
+        start += s.num_new
 
 
 @needs_kernel
