@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.step_budget import MIN_CHUNK, StepBudget
+from common.engine.step_budget import MIN_CHUNK, StepBudget, attended_positions
 
 
 def test_without_a_target_or_decodes_the_whole_budget_goes() -> None:
@@ -30,6 +30,39 @@ def test_budget_follows_measured_costs() -> None:
     assert b.prefill_tokens(decoding=4, budget=508) == int(b.decode_ms / 0.5)
     b.record(decoding=4, prefill=10, elapsed_ms=b.decode_ms + 100.0)  # prompt tokens got slow too
     assert b.prefill_tokens(decoding=4, budget=508) == MIN_CHUNK
+
+
+def test_late_chunks_of_a_prompt_get_fewer_tokens() -> None:
+    """Chunks whose cost grows with the positions they attend, as attention's does: the fitted
+    model recovers both costs, and the next chunk, costed at its own position, keeps the step
+    within the target both early and late in a long prompt (a per-token average fitted to the
+    same steps would overrun it late)."""
+    token_ms, context_ms = 0.2, 0.0006
+
+    def cost(start: int, n: int) -> float:
+        return n * token_ms + attended_positions(start, n) * context_ms
+
+    b = StepBudget(100.0)
+    b.record(decoding=4, prefill=0, elapsed_ms=30.0)
+    start = 0
+    for n in (256, 128, 96, 64, 160, 200):
+        b.record(decoding=4, prefill=n, elapsed_ms=30.0 + cost(start, n), attended=attended_positions(start, n))
+        start += n
+    assert b.prompt.token_ms == pytest.approx(token_ms, rel=1e-6)
+    assert b.prompt.context_ms == pytest.approx(context_ms, rel=1e-6)
+    early, late = b.prefill_tokens(4, 512, start=0), b.prefill_tokens(4, 512, start=1000)
+    assert late < early
+    for start, n in ((0, early), (1000, late)):
+        assert cost(start, n) <= 70.0 < cost(start, n + 1)
+
+
+def test_chunks_at_one_position_fall_back_to_a_cost_per_token() -> None:
+    b = StepBudget(100.0)
+    b.record(decoding=2, prefill=0, elapsed_ms=20.0)
+    for _ in range(3):
+        b.record(decoding=2, prefill=100, elapsed_ms=70.0, attended=attended_positions(0, 100))
+    assert b.prompt.context_ms == 0.0 and b.prompt.token_ms == pytest.approx(0.5)
+    assert b.prefill_tokens(decoding=2, budget=512, start=800) == 160  # (100 - 20) / 0.5
 
 
 def test_costs_are_smoothed() -> None:

@@ -45,7 +45,7 @@ from common.engine.guided import GrammarDeadEnd
 from common.engine.loop import EngineLoop
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.engine.speculative import SpeculativeConfig, Speculator
-from common.engine.step_budget import StepBudget
+from common.engine.step_budget import StepBudget, attended_positions
 from common.errors import FailedPrecondition, NotFound, Unavailable
 from common.kv.page_allocator import OutOfPages
 from common.model.detokenizer import IncrementalDetokenizer
@@ -212,6 +212,10 @@ class Scheduler(EngineLoop):
             time.sleep(0.001)
             return
         scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.spec.tokens}
+        # A decode's speculative draft counts in the decode part of the step, not as prompt tokens.
+        decodes = [n == 1 or bool(r.spec.tokens) for r, n in work]
+        prompt_tokens = sum(n for (_, n), decode in zip(work, decodes) if not decode)
+        attended = sum(attended_positions(r.seq.num_computed, n) for (r, n), decode in zip(work, decodes) if not decode)
         started = time.perf_counter()
         try:
             logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)
@@ -221,10 +225,7 @@ class Scheduler(EngineLoop):
                 for r, _ in work:
                     self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
             return
-        # A decode's speculative draft counts in the decode part of the step, not as prompt tokens.
-        decodes = [n == 1 or bool(r.spec.tokens) for r, n in work]
-        prompt_tokens = sum(n for (_, n), decode in zip(work, decodes) if not decode)
-        self.step_budget.record(sum(decodes), prompt_tokens, 1e3 * (time.perf_counter() - started))
+        self.step_budget.record(sum(decodes), prompt_tokens, 1e3 * (time.perf_counter() - started), attended)
         with self.lock:
             at = 0
             for i, (r, n) in enumerate(work):
@@ -291,7 +292,7 @@ class Scheduler(EngineLoop):
                 n = 1 + self._draft(r, budget - 1)
                 work.append((r, n))
                 budget -= n
-        budget = self.step_budget.prefill_tokens(len(work), budget)
+        budget = self.step_budget.prefill_tokens(len(work), budget, prefilling[0].seq.num_computed if prefilling else 0)
         for r in prefilling:
             n = min(r.seq.num_pending, budget)
             if n == 0:
