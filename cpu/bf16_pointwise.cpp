@@ -17,13 +17,34 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 using bf16 = c10::BFloat16;
 
-inline float round_bf16(float v) { return static_cast<float>(static_cast<bf16>(v)); }
+// bfloat16 bits of `v` rounded to nearest even, NaN to the quiet NaN: c10::BFloat16's rounding,
+// on integers, so that a loop of it vectorizes (c10's conversion stays one scalar call per value:
+// 0.5-0.9 billion values a second here, a fifth of a 1000-token bf16 prefill).
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return v != v ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+inline float from_bits(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+inline float round_bf16(float v) { return from_bits(bf16_bits(v)); }
+
+inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<bf16>()); }
 
 void check_bf16(const at::Tensor& t, int64_t dim, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == dim, name,
@@ -36,20 +57,19 @@ void rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, at
   check_bf16(out, 2, "out");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(weight.size(0) == D && out.sizes() == x.sizes(), "x, weight and out shapes differ");
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = weight.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
+  const uint16_t* xp = bits(x);
+  const uint16_t* wp = bits(weight);
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const bf16* row = xp + t * D;
+      const uint16_t* row = xp + t * D;
       double squares = 0.;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t d = 0; d < D; ++d) squares += static_cast<double>(static_cast<float>(row[d]) * static_cast<float>(row[d]));
+      for (int64_t d = 0; d < D; ++d) squares += static_cast<double>(from_bits(row[d]) * from_bits(row[d]));
       const float mean = static_cast<float>(squares / static_cast<double>(D));
       const float scale = 1.f / std::sqrt(mean + static_cast<float>(eps));
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d)
-        op[t * D + d] = static_cast<bf16>(static_cast<float>(wp[d]) * round_bf16(static_cast<float>(row[d]) * scale));
+      for (int64_t d = 0; d < D; ++d) op[t * D + d] = bf16_bits(from_bits(wp[d]) * round_bf16(from_bits(row[d]) * scale));
     }
   });
 }
@@ -62,25 +82,27 @@ void rope_bf16_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
   TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == qkv.size(0),
               "positions must be [T] int64");
-  const int64_t T = qkv.size(0), d = cos.size(1), half = d / 2, P = cos.size(0);
-  TORCH_CHECK(sin.sizes() == cos.sizes() && d % 2 == 0 && heads * d <= qkv.size(1), "bad rope shapes");
+  const int64_t T = qkv.size(0), d = cos.size(1), half = d / 2, P = cos.size(0), width = qkv.size(1);
+  TORCH_CHECK(sin.sizes() == cos.sizes() && d % 2 == 0 && heads * d <= width, "bad rope shapes");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " out of range");
-  bf16* base = qkv.data_ptr<bf16>();
+  auto* base = reinterpret_cast<uint16_t*>(qkv.data_ptr<bf16>());
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     std::vector<float> x(d);
     for (int64_t t = t0; t < t1; ++t) {
-      const bf16* c = cos.data_ptr<bf16>() + pos[t] * d;
-      const bf16* s = sin.data_ptr<bf16>() + pos[t] * d;
+      const uint16_t* c = bits(cos) + pos[t] * d;
+      const uint16_t* s = bits(sin) + pos[t] * d;
       for (int64_t h = 0; h < heads; ++h) {
-        bf16* row = base + t * qkv.size(1) + h * d;
-        for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(row[i]);
+        uint16_t* row = base + t * width + h * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
-          const float rotated = i < half ? -x[i + half] : x[i - half];
-          row[i] = static_cast<bf16>(round_bf16(x[i] * static_cast<float>(c[i])) +
-                                     round_bf16(rotated * static_cast<float>(s[i])));
-        }
+        for (int64_t i = 0; i < d; ++i) x[i] = from_bits(row[i]);
+        // rotate_half(x) is -x[half + i] in the first half, x[i - half] in the second
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i)
+          row[i] = bf16_bits(round_bf16(x[i] * from_bits(c[i])) + round_bf16(-x[i + half] * from_bits(s[i])));
+#pragma omp simd
+        for (int64_t i = half; i < d; ++i)
+          row[i] = bf16_bits(round_bf16(x[i] * from_bits(c[i])) + round_bf16(x[i - half] * from_bits(s[i])));
       }
     }
   });
