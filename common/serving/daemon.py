@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from common.daemon_limits import CHANNEL_OPTIONS
-from common.serving import placement
+from common.serving import heap, placement
 from common.serving.tls import TlsFiles
 from common.tracing import TraceFileWriter
 
@@ -131,6 +131,7 @@ def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], ob
     setup_logging(config.log_level)
     torch.set_grad_enabled(False)
     placement.apply(config.cpus, config.threads, config.nice)
+    heap.keep_freed_buffers()
     daemon = GrpcDaemon(config.host, config.port, config.tls)
     node = placement.in_passing_thread(start, daemon, config)
     placement.serialize_other_threads()
