@@ -69,7 +69,8 @@ void rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, at
       const float mean = static_cast<float>(squares / static_cast<double>(D));
       const float scale = 1.f / std::sqrt(mean + static_cast<float>(eps));
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) op[t * D + d] = bf16_bits(from_bits(wp[d]) * round_bf16(from_bits(row[d]) * scale));
+      for (int64_t d = 0; d < D; ++d)
+        op[t * D + d] = bf16_bits(from_bits(wp[d]) * round_bf16(from_bits(row[d]) * scale));
     }
   });
 }

@@ -226,7 +226,8 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
               __builtin_prefetch(vd + ahead + off);
             }
           }
-          for (int64_t kvh = 0; kvh < kv_heads; ++kvh) k_rows[kvh * kKeyBlock + jj] = kd + ctx_slots[j0 + jj] * row + kvh * hd;
+          for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+            k_rows[kvh * kKeyBlock + jj] = kd + ctx_slots[j0 + jj] * row + kvh * hd;
         }
         const bool masked = mask || j0 + nk - 1 > first_limit;
         for (int64_t i = item.first, r = 0; i < item.end; ++i) {
@@ -274,7 +275,8 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
         }
         // Values: the block's rows widened once, then each row sums over the block into an
         // accumulator the compiler keeps in registers (HD known), stored once per block.
-        for (int64_t jj = 0; jj < nk; ++jj) v_rows[jj] = widen(vd + ctx_slots[j0 + jj] * row, vf.data() + jj * row, row);
+        for (int64_t jj = 0; jj < nk; ++jj)
+          v_rows[jj] = widen(vd + ctx_slots[j0 + jj] * row, vf.data() + jj * row, row);
         for (int64_t r = 0, h = 0; r < rows; ++r, h = h + 1 == heads ? 0 : h + 1) {
           const float* sc = scores.data() + r * kKeyBlock;
           const int64_t kv_offset = h / group * hd;

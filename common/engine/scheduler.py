@@ -214,8 +214,9 @@ class Scheduler(EngineLoop):
         scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.spec.tokens}
         # A decode's speculative draft counts in the decode part of the step, not as prompt tokens.
         decodes = [n == 1 or bool(r.spec.tokens) for r, n in work]
-        prompt_tokens = sum(n for (_, n), decode in zip(work, decodes) if not decode)
-        attended = sum(attended_positions(r.seq.num_computed, n) for (r, n), decode in zip(work, decodes) if not decode)
+        chunks = [(r.seq.num_computed, n) for (r, n), decode in zip(work, decodes) if not decode]
+        prompt_tokens = sum(n for _, n in chunks)
+        attended = sum(attended_positions(start, n) for start, n in chunks)
         started = time.perf_counter()
         try:
             logits = self.engine.forward([(r.seq, n) for r, n in work], every_position=scoring)

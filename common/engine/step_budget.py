@@ -6,8 +6,8 @@ tokens), both learned from the steps the scheduler runs (exponential moving aver
 decode-only steps give the first term, mixed and prefill-only steps the second. A prompt token costs
 `token_ms` (its share of the linear layers) plus `context_ms` per position it attends, so a chunk
 of `n` tokens starting at position `p` costs `n * token_ms + (n*p + n*(n+1)/2) * context_ms`:
-the last chunk of a long prompt costs several times its first (at 1000 tokens in bf16 on AMX,
-attention is most of a chunk), and a per-token average, which lags behind the growing cost,
+the last chunk of a 1000-token prompt costs 2.2x its first in bf16 on AMX (attention is most
+of a late chunk), and a per-token average, which lags behind the growing cost,
 let those chunks overrun the target. The two costs are a linear fit over the recent steps;
 where their chunks' positions are too alike to tell the costs apart, the model falls back to
 the average cost per token.
