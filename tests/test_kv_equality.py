@@ -40,8 +40,8 @@ def in_process_decode_node(request, model, tokenizer, monkeypatch):
 def test_received_kv_equals_locally_computed(in_process_decode_node, model, tmp_path):
     node = in_process_decode_node
     prompt = random.Random(5).choices(range(100, 40000), k=300)
-    p = node.prepare_receive("kv", prompt, -1)
     with prefill_node(tmp_path, *FP32, "--transport", node.config.transport) as pn:
+        p = node.prepare_receive("kv", prompt, -1)  # once the prefill node is up: a slow start outlasts a lease
         pn.stub.RemoteSend(pb.RemoteSendRequest(
             request_id="kv", token_ids=prompt, kv_window_begin=0, kv_window_end=p.kv_window_end,
             kv_append_metadata=p.kv_append_metadata, decode_address=node.config.advertise_address,
