@@ -73,7 +73,8 @@ def _build(compiler: str, target: Path) -> None:
         done = subprocess.run(_compile_command(compiler, Path(tmp)), capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or [done.stderr.strip()[-2000:]]
+            raise RuntimeError(f"{compiler} exited with {done.returncode}: " + "\n".join(errors)[-2000:])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

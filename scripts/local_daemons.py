@@ -53,7 +53,9 @@ class Daemon:
                                      env={**os.environ, **UCX_ENV, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self.channel = tls.channel(self.address)
 
-    def wait_healthy(self, timeout: float = 120.0) -> None:
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        """Wait until the daemon serves, failing at once if it exits. The timeout is generous:
+        daemons started side by side on two busy cores of a slow machine take minutes to load."""
         stub = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -117,7 +117,7 @@ def _stop_all(daemons: list[Daemon]) -> None:
 
 def _ready(*daemons: Daemon) -> None:
     for d in daemons:
-        d.wait_healthy(timeout=300)  # side by side on two busy cores, imports and model loads take minutes
+        d.wait_healthy()
         d.stub = duet_pb2_grpc.DecodeNodeStub(d.channel)
 
 
