@@ -124,6 +124,9 @@ inline void score_block(const c10::BFloat16* q, const c10::BFloat16* const* k_ro
 }
 #else
 constexpr bool kBf16Dot = false;
+// Declared only, so the call under `if constexpr (kBf16Dot ...)` names it; never instantiated.
+template <int64_t HD>
+void score_block(const c10::BFloat16* q, const c10::BFloat16* const* k_rows, int64_t nk, float* scores);
 #endif
 
 void check(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& out,
