@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the ke
 def _paths() -> list[bool]:
     """`amx` values to try here: the AVX512-BF16 path always, the AMX one where this process may use it."""
     ops = cpu_extension.kernels()
-    return [False, True] if ops is not None and ops.bf16_linear_amx_available() else [False]
+    amx = ops is not None and cpu_extension.has_bf16_linear(ops) and ops.bf16_linear_amx_available()
+    return [False, True] if amx else [False]
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amx: bool) -> torch.Tensor:
