@@ -48,8 +48,9 @@ class Daemon:
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
                "--metrics-port", str(self.metrics_port), *_tls_flags(tls), *args]
         self._log = open(log_path, "w")
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pin,
+        if cpus:  # taskset, not a preexec_fn: see DIE_WITH_PARENT in scripts/netns_hosts.py
+            cmd = ["taskset", "--cpu-list", ",".join(map(str, sorted(cpus))), *cmd]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **UCX_ENV, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self.channel = tls.channel(self.address)
 

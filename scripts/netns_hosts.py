@@ -67,6 +67,12 @@ LINK_PATTERN = re.compile(r"^d[bv](\d+)-[0-9a-f]{3}")
 # gRPC and urllib must never send our private addresses to an HTTP proxy from the environment.
 GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# A child SIGKILLed when the process that started it dies (a killed test run leaves no daemon
+# behind): util-linux's setpriv sets the signal, `ip netns exec` and setpriv keep it across their
+# execs. Not a Popen preexec_fn: that forces fork(), and grpcio >= 1.80 running its fork handlers
+# in a child forked while channels are busy aborts it ("epoll_wait error: Bad file descriptor",
+# grpc/grpc#43055); without one, Python spawns with vfork and no handler runs.
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 
 
 class NetnsUnavailable(RuntimeError):
@@ -149,11 +155,11 @@ class Host:
     ifname: str = IFNAME  # the veth end inside the namespace
 
     def exec_args(self, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *cmd]
+        """`cmd` run inside this namespace, killed when the process that started it dies."""
+        return ["ip", "netns", "exec", self.netns, *DIE_WITH_PARENT, *cmd]
 
     def run(self, *cmd: str, timeout: float = 60, input: bytes | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(self.exec_args(*cmd), capture_output=True, timeout=timeout, input=input, cwd=ROOT,
-                              preexec_fn=die_with_parent)
+        return subprocess.run(self.exec_args(*cmd), capture_output=True, timeout=timeout, input=input, cwd=ROOT)
 
     def ucx_env(self) -> dict[str, str]:
         """UCX over TCP, on this host's veth only (no shared memory: the peers are 'remote'),
@@ -273,15 +279,6 @@ class Network:
                 _ip("link", "del", link, check=False)
 
 
-def die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the process that started it dies (a killed test run
-    leaves no daemon behind; `ip netns exec` keeps the setting across its exec)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class NetnsDaemon(Daemon):
     """A daemon module running inside `host`'s namespace, listening on `listen` (default: the
     host's address) and advertising the host's address to its peers."""
@@ -298,7 +295,6 @@ class NetnsDaemon(Daemon):
                              "--metrics-port", str(metrics_port), *advertise_args, *args)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=die_with_parent,
                                      env={**os.environ, **host.ucx_env(), **(env or {}), "PYTHONUNBUFFERED": "1"})
         self.channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
 

@@ -29,7 +29,7 @@ import pytest
 from common.transports.nixl.agent import nixl_unavailable_reason
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
-from scripts.netns_hosts import (ROOT, UCX_TCP_PORT_RANGE, Host, NetnsDaemon, Network, die_with_parent,
+from scripts.netns_hosts import (ROOT, UCX_TCP_PORT_RANGE, Host, NetnsDaemon, Network,
                                  netns_unavailable_reason, start_daemons)
 from tests.helpers import drain, greedy, random_ids
 from tests.reference import FP32, engine_greedy
@@ -121,12 +121,7 @@ def pair(request, net, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"two_hosts_{transport}")
     dh, ph = net.hosts["decode"], net.hosts["prefill"]
     members = tmp / "members.json"
-    try:
-        pn, dn, rt = _start_three(net, transport, tmp, members)
-    except RuntimeError:
-        # Seen about once in a few runs: a daemon aborts at start-up inside its namespace
-        # (gRPC "epoll_wait error: Bad file descriptor"); its log is in tmp. One retry.
-        pn, dn, rt = _start_three(net, transport, tmp, members)
+    pn, dn, rt = _start_three(net, transport, tmp, members)
     try:
         yield Pair(transport, dh, ph, dn, pn, extra={"router": rt, "members": members})
     finally:
@@ -262,8 +257,7 @@ def cut(pair, model):
     request_file.seek(0)
     client = subprocess.Popen(ph.exec_args(sys.executable, "-m", "scripts.netns_hosts", "remote-send",
                                            f"127.0.0.1:{pn.port}", "--timeout", "120"),
-                              stdin=request_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-                              preexec_fn=die_with_parent)
+                              stdin=request_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     try:
         wait_for(lambda: ph.sent_bytes() - sent0 >= 2 * MAX_BATCH_TOKENS * token_bytes or client.poll() is not None,
                  60, "KV starts crossing the link")
