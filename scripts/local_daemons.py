@@ -48,7 +48,10 @@ class Daemon:
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
                "--metrics-port", str(self.metrics_port), *_tls_flags(tls), *args]
         self._log = open(log_path, "w")
-        if cpus:  # taskset, not a preexec_fn: see DIE_WITH_PARENT in scripts/netns_hosts.py
+        # Pinned by taskset, never by a Popen preexec_fn: one makes Python fork() rather than vfork(),
+        # and grpcio >= 1.80 then runs its fork handlers in the child, which abort it when this
+        # process's channels are busy ("epoll_wait error: Bad file descriptor", grpc/grpc#43055).
+        if cpus:
             cmd = ["taskset", "--cpu-list", ",".join(map(str, sorted(cpus))), *cmd]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **UCX_ENV, **(env or {}), "PYTHONUNBUFFERED": "1"})

@@ -68,10 +68,9 @@ LINK_PATTERN = re.compile(r"^d[bv](\d+)-[0-9a-f]{3}")
 GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # A child SIGKILLed when the process that started it dies (a killed test run leaves no daemon
-# behind): util-linux's setpriv sets the signal, `ip netns exec` and setpriv keep it across their
-# execs. Not a Popen preexec_fn: that forces fork(), and grpcio >= 1.80 running its fork handlers
-# in a child forked while channels are busy aborts it ("epoll_wait error: Bad file descriptor",
-# grpc/grpc#43055); without one, Python spawns with vfork and no handler runs.
+# behind): util-linux's setpriv sets the signal on its way to exec the command, a few ms after
+# Popen returns (not a preexec_fn: see Daemon in scripts/local_daemons.py). Without
+# setpriv, Network.close and cleanup_stale still remove what a run leaves.
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 
 
