@@ -16,7 +16,10 @@ Skipped, with the reason, where network namespaces cannot be created (needs root
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -179,22 +182,20 @@ def _dead(pid: int) -> bool:
 def test_a_process_started_in_a_namespace_dies_with_its_starter(net):
     """A killed test run leaves no daemon behind in a namespace: the launcher asks for SIGKILL on
     the starter's death (without a Popen preexec_fn, which would fork and let grpcio abort the child)."""
-    starter = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; "
-         "print(subprocess.Popen(sys.argv[1:]).pid, flush=True); time.sleep(60)",
-         *net.hosts["decode"].exec_args("sleep", "60")], stdout=subprocess.PIPE)
-    child = int(starter.stdout.readline())
-    try:
-        # setpriv sets the signal on its way to `sleep`: wait for that exec before killing
-        wait_for(lambda: open(f"/proc/{child}/comm").read().strip() == "sleep", 10, "sleep runs")
-        starter.kill()
-        starter.wait()
-        wait_for(lambda: _dead(child), 10, "the namespace's process dies with its starter")
-    finally:
-        starter.kill()
-        starter.wait()
-        if not _dead(child):
-            subprocess.run(["kill", "-9", str(child)])
+    with subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                           "print(subprocess.Popen(sys.argv[1:]).pid, flush=True); time.sleep(60)",
+                           *net.hosts["decode"].exec_args("sleep", "60")], stdout=subprocess.PIPE) as starter:
+        child = int(starter.stdout.readline())
+        try:
+            # setpriv sets the signal on its way to `sleep`: wait for that exec before killing
+            wait_for(lambda: open(f"/proc/{child}/comm").read().strip() == "sleep", 10, "sleep runs")
+            starter.kill()
+            starter.wait()
+            wait_for(lambda: _dead(child), 10, "the namespace's process dies with its starter")
+        finally:
+            starter.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_nodes_listen_and_advertise_their_own_addresses(pair):
