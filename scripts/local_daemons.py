@@ -3,6 +3,7 @@ tests), and always clean them up."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,10 +24,37 @@ ROOT = Path(__file__).resolve().parent.parent
 UCX_ENV = {"UCX_TLS": "sm,self"}
 
 
+def _ephemeral_range() -> range:
+    """The ports the kernel hands to bind(0) and to outgoing connections."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, and that no bind(0) or outgoing connection can take before a
+    daemon binds it.
+
+    Drawn outside the kernel's ephemeral range: a port that bind(0) picked is freed again at once,
+    and the kernel may hand it to any socket before the daemon binds it: an outgoing connection or a
+    listener of any process, the daemon's own included (seen in CI: a decode node's metrics server
+    failed with "Address already in use" just after its NIXL receiver started)."""
+    ephemeral = _ephemeral_range()
+    candidates = [port for port in range(20000, 65536) if port not in ephemeral and port not in _handed_out]
+    for port in random.sample(candidates, len(candidates)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in 20000-65535 outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
