@@ -43,18 +43,28 @@ def free_port() -> int:
     Drawn outside the kernel's ephemeral range: a port that bind(0) picked is freed again at once,
     and the kernel may hand it to any socket before the daemon binds it: an outgoing connection or a
     listener of any process, the daemon's own included (seen in CI: a decode node's metrics server
-    failed with "Address already in use" just after its NIXL receiver started)."""
+    failed with "Address already in use" just after its NIXL receiver started). Where the ephemeral
+    range leaves no port free, bind(0) it is after all."""
     ephemeral = _ephemeral_range()
     candidates = [port for port in range(20000, 65536) if port not in ephemeral and port not in _handed_out]
     for port in random.sample(candidates, len(candidates)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free loopback port in 20000-65535 outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
+        if _bind(port) is not None:
+            break
+    else:
+        while (port := _bind(0)) in _handed_out:
+            pass
+    _handed_out.add(port)
+    return port
+
+
+def _bind(port: int) -> int | None:
+    """The loopback port a socket bound to `port` got (0: the kernel picks), None if taken."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+        return s.getsockname()[1]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

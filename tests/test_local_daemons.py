@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+from scripts import local_daemons
 from scripts.local_daemons import _ephemeral_range, free_port
 
 
@@ -19,3 +20,9 @@ def test_a_free_port_binds() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         s.listen()
+
+
+def test_an_ephemeral_range_that_covers_every_port_falls_back_to_the_kernels_choice(monkeypatch) -> None:
+    monkeypatch.setattr(local_daemons, "_ephemeral_range", lambda: range(1024, 65536))
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) == 20
