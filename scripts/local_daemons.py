@@ -43,12 +43,12 @@ def free_port() -> int:
     Drawn outside the kernel's ephemeral range: a port that bind(0) picked is freed again at once,
     and the kernel may hand it to any socket before the daemon binds it: an outgoing connection or a
     listener of any process, the daemon's own included (seen in CI: a decode node's metrics server
-    failed with "Address already in use" just after its NIXL receiver started). Where the ephemeral
-    range leaves no port free, bind(0) it is after all."""
+    failed with "Address already in use" just after its NIXL receiver started). Where 200 draws find
+    none (the ephemeral range covers nearly all), bind(0) it is after all."""
     ephemeral = _ephemeral_range()
-    candidates = [port for port in range(20000, 65536) if port not in ephemeral and port not in _handed_out]
-    for port in random.sample(candidates, len(candidates)):
-        if _bind(port) is not None:
+    for _ in range(200):
+        port = random.randrange(20000, 65536)
+        if port not in ephemeral and port not in _handed_out and _bind(port) is not None:
             break
     else:
         while (port := _bind(0)) in _handed_out:
