@@ -39,8 +39,9 @@ prefill node plus a decode node with ``--prefill <it> --min-remote-prefill-token
 settings otherwise. Prompts are random ids in [100, 40000), a different one for every call, so
 no prefix cache ever hits. Median of timed calls after one warm-up call each, alternating the
 two setups (9 calls each, 3 with --quick); per transport. The prefill node's own histograms give
-the mean remote prefill and RemoteSend times. Goal: disaggregated at most 1.05x single node. A third decode node, the same
-but ``--verify-kv off``, measures what checking the KV's checksums costs (goal: at most 3%).
+the mean remote prefill and RemoteSend times. Goal: disaggregated at most 1.05x single node. A
+third decode node, the same but ``--verify-kv off``, measures what checking the KV's checksums
+costs (goal: at most 3%).
 
 Goals are informational: the exit status is 0 either way.
 
