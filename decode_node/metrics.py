@@ -15,10 +15,11 @@ _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class DecodeMetrics:
-    def __init__(self, engine: Engine, reserved_pages: Callable[[], int], quarantined_pages: Callable[[], int]) -> None:
+    def __init__(self, engine: Engine, reserved_pages: Callable[[], int], quarantined_pages: Callable[[], int],
+                 compute_threads: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        register_pool_gauges(r, engine)
+        register_pool_gauges(r, engine, compute_threads)
         Gauge("duet_kv_pages_reserved", "Pages held by reservations not yet claimed by StartGeneration",
               registry=r).set_function(reserved_pages)
         self.requests = Counter("duet_requests", "Finished requests by outcome", ["rpc", "outcome"], registry=r)

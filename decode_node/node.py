@@ -52,9 +52,11 @@ class DecodeNode:
         self.requests = RequestTable(self.engine)
         self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens, tracer=self.tracer,
                                    max_step_ms=config.max_step_ms or None,
-                                   speculative=config.speculative_config, on_finished=self._finished)
+                                   speculative=config.speculative_config, on_finished=self._finished,
+                                   adaptive_threads=config.threads is None)
         self.metrics = DecodeMetrics(self.engine, self.requests.reserved_pages,
-                                     quarantined_pages=lambda: self.writers.fences.quarantined_pages())
+                                     quarantined_pages=lambda: self.writers.fences.quarantined_pages(),
+                                     compute_threads=self.scheduler.compute_threads)
         self.scheduler.speculator.observers.append(self.metrics.observe_speculation)
         self.admission = Admission(
             config, self.engine, running=self.requests.admitted,

@@ -14,7 +14,7 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 class PrefillMetrics:
     def __init__(self, engine: Engine, scheduler: PrefillScheduler) -> None:
         self.registry = r = CollectorRegistry()
-        register_pool_gauges(r, engine)
+        register_pool_gauges(r, engine, scheduler.compute_threads)
         Gauge("duet_prefill_pending_tokens", "Prompt tokens admitted or queued but not yet computed",
               registry=r).set_function(scheduler.pending_tokens)
         self.requests = Counter("duet_requests", "RemoteSend calls by outcome", ["rpc", "outcome"], registry=r)

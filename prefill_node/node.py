@@ -33,7 +33,8 @@ class PrefillNode:
                              name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
         self.writer = KvWriter(self.engine.pool, sender, self.fingerprint, config.advertise_address, config.tls)
         self.tracer = Tracer(f"prefill {config.advertise_address}", config.trace_requests)
-        self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens, self.tracer)
+        self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens, self.tracer,
+                                          adaptive_threads=config.threads is None)
         self.metrics = PrefillMetrics(self.engine, self.scheduler)
         self.scheduler.start()
 

@@ -50,8 +50,8 @@ class PrefillJob:
 
 
 class PrefillScheduler(EngineLoop):
-    def __init__(self, engine: Engine, max_batch_tokens: int, tracer: Tracer) -> None:
-        super().__init__(engine, name="prefill-scheduler")
+    def __init__(self, engine: Engine, max_batch_tokens: int, tracer: Tracer, adaptive_threads: bool = False) -> None:
+        super().__init__(engine, name="prefill-scheduler", adaptive_threads=adaptive_threads)
         self.max_batch_tokens = max_batch_tokens
         self.tracer = tracer
         self._jobs: list[PrefillJob] = []  # admitted (pages reserved), in arrival order

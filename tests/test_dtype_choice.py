@@ -74,5 +74,5 @@ def test_dtype_in_fingerprint_and_info_gauge(model, model_bf16):
     why = mismatch(prints["float32"], prints["bfloat16"], "decode node", "prefill node")
     assert why == "incompatible KV layout (dtype: decode node has 'float32', prefill node has 'bfloat16')"
     registry = CollectorRegistry()
-    register_pool_gauges(registry, engines["bfloat16"])
+    register_pool_gauges(registry, engines["bfloat16"], lambda: 1)
     assert 'duet_info{device="cpu",dtype="bfloat16"} 1.0' in generate_latest(registry).decode()

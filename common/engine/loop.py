@@ -3,18 +3,24 @@ engine's lock otherwise; the base of the decode and prefill schedulers.
 
 The thread fixes its intra-op thread count at torch's count as it stands when the loop starts
 (torch reads it once per thread, at its first parallel work): a daemon then lowers the count to
-one for every other thread (common/serving/placement.py), and the engine keeps its cores."""
+one for every other thread (common/serving/placement.py), and the engine keeps its cores. With
+`adaptive_threads` the count then follows the cores the engine gets while neighbours come and go
+(common/engine/compute_threads.py)."""
 from __future__ import annotations
 
 import threading
+import time
 
+from common.engine.compute_threads import ComputeThreads
 from common.engine.core import Engine
 from cpu import extension as cpu_extension
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: Engine, name: str, adaptive_threads: bool = False) -> None:
         self.engine = engine
+        self.adaptive_threads = adaptive_threads
+        self.threads: ComputeThreads | None = None  # set once the thread started
         self.lock = engine.lock
         self._wakeup = threading.Condition(self.lock)
         self._stopped = False
@@ -34,6 +40,10 @@ class EngineLoop:
         with self.lock:
             self._on_stop()
 
+    def compute_threads(self) -> int:
+        """The threads the engine computes with now (0 before the loop started)."""
+        return 0 if self.threads is None else self.threads.current
+
     def notify(self) -> None:
         """Wake the loop after adding work."""
         with self._wakeup:
@@ -41,7 +51,10 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            cpu_extension.claim_intra_op_threads(self.engine.model.device)
+            threads = ComputeThreads(cpu_extension.claim_intra_op_threads(self.engine.model.device),
+                                     adaptive=self.adaptive_threads)
+            threads.start()
+            self.threads = threads
         finally:
             self._threads_fixed.set()
         while True:
@@ -50,7 +63,9 @@ class EngineLoop:
                     self._wakeup.wait()
                 if self._stopped:
                     return
+            began = time.perf_counter()
             self._step()
+            threads.after_step(time.perf_counter() - began)
 
     # ---- for subclasses ----
 

@@ -68,12 +68,13 @@ class Scheduler(EngineLoop):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
                  tracer: Tracer | None = None, max_step_ms: float | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 on_finished: Callable[[str, str], None] = lambda request_id, reason: None) -> None:
+                 on_finished: Callable[[str, str], None] = lambda request_id, reason: None,
+                 adaptive_threads: bool = False) -> None:
         """`on_finished(request_id, finish_reason)` runs, with the lock held, when a request's
-        last sample ends."""
+        last sample ends. `adaptive_threads`: see EngineLoop."""
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
-        super().__init__(engine, name="scheduler")
+        super().__init__(engine, name="scheduler", adaptive_threads=adaptive_threads)
         self.tracer = tracer or Tracer("scheduler")
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens

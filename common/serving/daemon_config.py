@@ -46,7 +46,7 @@ class DaemonConfig:
     page_size: int = 16  # prefill and decode nodes must agree (checked in the handshake)
     kv_pages: int = 1024  # 16k tokens at the default page size
     max_batch_tokens: int = 512
-    threads: int | None = None  # torch intra-op threads; None = one per CPU of --cpus (common/serving/placement.py)
+    threads: int | None = None  # compute threads, fixed; None = adaptive, up to one per CPU of --cpus and the quota
     cpus: tuple[int, ...] | None = None  # CPUs to run on; None = those the process was started with
     nice: int = 0  # added to the process's niceness at start (the prefill node defaults to 10)
     attention_sinks: int = 0  # sliding-window models: leading positions every query attends too
@@ -118,7 +118,9 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one engine step; longer prompts are chunked (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per CPU this daemon may run on, see --cpus)")
+                   help="compute threads, fixed (default: adaptive, at most one per CPU this daemon may run on "
+                   "(see --cpus) and its cgroup's CPU quota allows, one fewer at a time while neighbours hold "
+                   "those cores; the metric duet_compute_threads says how many)")
     p.add_argument("--cpus", type=parse_cpus, default=None, metavar="LIST",
                    help="run on these CPUs only, e.g. 0 or 0-3,6 (default: those it was started with); "
                    "a prefill and a decode node sharing a host may split the cores this way")

@@ -5,8 +5,11 @@ Two daemons on one host that each size their thread pools to every core fight fo
 OpenMP threads preempt each other mid-layer and every step waits for its slowest thread. The
 defaults avoid that without a core split:
 - torch's intra-op pool gets one thread per CPU the process may run on (`os.sched_getaffinity`,
-  after `--cpus` is applied), not per CPU of the machine; the inter-op pool, which the engine
-  does not use, one thread;
+  after `--cpus` is applied), not per CPU of the machine, and no more than whole CPUs of its
+  cgroup's quota (`cpu.max`, or cgroup v1's `cpu.cfs_quota_us`): spinning threads beyond the quota
+  would spend it at barriers and then wait out the period; the inter-op pool, which the engine
+  does not use, one thread. That count is a ceiling: without `--threads`, the engine computes
+  with fewer while neighbours hold some of those cores (common/engine/compute_threads.py);
 - the prefill node runs at a lower priority (`--nice 10` by default), so the kernel scheduler
   gives a decode node on the same cores the CPU whenever its step wants it, and the prefill node
   the time the decode node leaves idle (between steps, while it samples and streams). A decode
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -53,10 +57,53 @@ def parse_cpus(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def quota_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPUs this process's cgroups allow it per period (the tightest quota of its cgroup and
+    every parent, v2 `cpu.max` or v1 `cpu.cfs_quota_us`), or None where no quota is set."""
+    quotas = []
+    for line in membership.read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            base, files = cgroup_root, ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # cgroup v1, where the cpu controller is mounted
+            base = next((cgroup_root / name for name in (controllers, "cpu", "cpu,cpuacct")
+                         if (cgroup_root / name).is_dir()), None)
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            if base is None:
+                continue
+        else:
+            continue
+        directory = base / path.lstrip("/")
+        while True:
+            quotas.append(_quota_in(directory, files))
+            if directory == base:
+                break
+            directory = directory.parent
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def _quota_in(directory: Path, files: tuple[str, ...]) -> float | None:
+    """CPUs per period that one cgroup directory allows, None where it sets no quota."""
+    try:
+        values = " ".join((directory / name).read_text() for name in files).split()
+        quota, period = values[0], values[1]
+        return None if quota in ("max", "-1") else int(quota) / int(period)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def thread_ceiling() -> int:
+    """One thread per CPU of this process's affinity, and at most the whole CPUs of its quota."""
+    count = len(os.sched_getaffinity(0))
+    quota = quota_cpus()
+    return count if quota is None else max(1, min(count, int(quota)))
+
+
 def apply(cpus: tuple[int, ...] | None, threads: int | None, nice: int) -> int:
     """Pin this process to `cpus` (None: keep what it was started with), lower its priority by
     `nice`, and size torch's thread pools; returns the intra-op thread count (`threads`, else
-    one per CPU of the process's affinity)."""
+    `thread_ceiling()`)."""
     import torch
 
     if cpus is not None:
@@ -66,13 +113,14 @@ def apply(cpus: tuple[int, ...] | None, threads: int | None, nice: int) -> int:
             raise ValueError(f"--cpus {','.join(map(str, cpus))}: {exc.strerror}") from None
     if nice:
         os.nice(nice)
-    count = threads or len(os.sched_getaffinity(0))
+    count = threads or thread_ceiling()
     torch.set_num_threads(count)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set, or inter-op work already ran in this process
         pass
     log.info("placement", extra={"fields": {"cpus": sorted(os.sched_getaffinity(0)), "threads": count,
+                                            "adaptive": threads is None, "cpu_quota": quota_cpus(),
                                             "nice": os.nice(0)}})
     return count
 

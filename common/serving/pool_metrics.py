@@ -14,7 +14,8 @@ def read_locked(engine: Engine, read: Callable[[], float]) -> float:
         return read()
 
 
-def register_pool_gauges(registry: CollectorRegistry, engine: Engine) -> None:
+def register_pool_gauges(registry: CollectorRegistry, engine: Engine, compute_threads: Callable[[], int]) -> None:
+    """The pool's gauges, and `duet_compute_threads` from `compute_threads()`."""
     pool = engine.pool
     Gauge("duet_info", "What this node computes in: 1, labelled with the dtype and device of its weights and KV",
           ["dtype", "device"], registry=registry).labels(
@@ -26,6 +27,9 @@ def register_pool_gauges(registry: CollectorRegistry, engine: Engine) -> None:
         lambda: read_locked(engine, lambda: engine.prefix_cache.num_cached_pages))
     Gauge("duet_prefix_cache_blocks", "Full pages the prefix cache holds (what WatchKvEvents reports)",
           registry=registry).set_function(lambda: engine.kv_events.num_blocks)
+    Gauge("duet_compute_threads", "Threads the engine computes with now: its CPUs and CPU quota at most, fewer "
+          "while neighbours hold some of those cores (common/engine/compute_threads.py)",
+          registry=registry).set_function(compute_threads)
 
 
 def prefix_hit_counter(registry: CollectorRegistry) -> Counter:

@@ -1,0 +1,160 @@
+"""How many threads the engine computes with, while neighbours come and go.
+
+The engine's parallel regions are OpenMP teams whose threads spin at every barrier: on an idle
+host the fastest way to run many small regions (a decode step of the default model is ~300 of
+them). When another process takes one of the team's cores, the thread that shares it runs only
+in the time slices the kernel leaves it, and every region waits for it. Measured on 2 cores, a
+decode step at batch 4 (bf16): 16 ms idle; with one busy-loop neighbour a p50 of 38 ms and a
+p90 of 160 ms on two threads, against 28 ms on one. Passive waits (OMP_WAIT_POLICY=passive)
+survive the neighbour as well but cost 15% and more on an idle host, where every region then
+wakes its threads from a futex sleep.
+
+So the team keeps spinning, and its size follows the cores the engine actually gets, between one
+thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CPU quota):
+- one thread fewer when, over a window of busy steps, the team's threads were runnable but waiting
+  for a CPU (their `run_delay`, /proc/<pid>/task/<tid>/schedstat) for more than STOLEN_SHARE of
+  their time: a neighbour holds one of the cores;
+- one thread more when the CPUs the engine may run on were idle for at least SPARE_CORES of a
+  core over the window (/proc/stat) and no thread was dropped in the last HOLD_S: the core is back.
+The count is the engine thread's own OpenMP setting (`omp_set_num_threads` acts on the calling
+thread only), which torch's operators and cpu/'s kernels both read, and no other thread's. The
+results do not depend on it: every kernel splits its work over output rows, tokens or heads,
+never inside a sum (tests/test_compute_threads.py checks logits bit for bit).
+
+The team's threads are found by name: the engine thread names itself TEAM_NAME before its first
+parallel region, and the OpenMP workers it creates inherit the name from it.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+TEAM_NAME = "duet-compute"  # at most 15 characters: a Linux thread name
+WINDOW_S = 0.5  # decisions are made on this much wall time of stepping
+MIN_BUSY_S = 0.1  # ... holding at least this much step time
+STOLEN_SHARE = 0.15  # a team whose threads waited this share of their time for a CPU drops one
+SPARE_CORES = 0.5  # idle capacity (in cores) over the window that takes a thread back
+HOLD_S = 5.0  # no thread is taken back this soon after one was dropped
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime this process loaded (torch's libgomp or libiomp), or None."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+
+
+def _name_this_thread(name: str) -> None:
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+        comm.write(name)
+
+
+def team_run_delay_ns(name: str = TEAM_NAME) -> dict[int, int]:
+    """Each thread named `name` in this process: nanoseconds it has waited, runnable, for a CPU."""
+    delays = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().rstrip("\n") != name:
+                    continue
+            with open(f"/proc/self/task/{tid}/schedstat") as stat:
+                delays[int(tid)] = int(stat.read().split()[1])
+        except (OSError, IndexError, ValueError):  # the thread ended, or no schedstats in this kernel
+            continue
+    return delays
+
+
+def idle_seconds(cpus: set[int]) -> float:
+    """Seconds `cpus` have been idle since boot, summed (/proc/stat: idle + iowait)."""
+    ticks = 0
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, *values = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                ticks += int(values[3]) + int(values[4])
+    return ticks / _CLOCK_TICKS
+
+
+@dataclass
+class _Window:
+    began: float
+    idle_s: float
+    delays: dict[int, int]
+    busy_s: float = 0.0
+
+
+@dataclass
+class ComputeThreads:
+    """The engine thread's team size. `start` and `after_step` are called from the engine
+    thread only; `current` may be read from any thread (a metric)."""
+
+    ceiling: int
+    adaptive: bool = True
+    clock: Callable[[], float] = time.monotonic
+    current: int = field(init=False)
+    _set_threads: Callable[[int], None] | None = field(default=None, init=False)
+    _window: _Window | None = field(default=None, init=False)
+    _dropped_at: float = field(default=float("-inf"), init=False)
+
+    def __post_init__(self) -> None:
+        self.current = self.ceiling
+
+    def start(self) -> None:
+        """In the engine thread, before its first parallel region: name it for its workers to
+        inherit, and find the call that sets its thread count."""
+        if not self.adaptive or self.ceiling < 2:
+            return
+        try:
+            _name_this_thread(TEAM_NAME)
+            runtime = _openmp_runtime()
+        except OSError as exc:
+            runtime, reason = None, str(exc)
+        else:
+            reason = "no OpenMP runtime loaded"
+        if runtime is None:
+            log.warning("compute threads stay at %d: %s", self.ceiling, reason)
+            return
+        self._set_threads = runtime.omp_set_num_threads
+
+    def after_step(self, busy_s: float) -> None:
+        """Account a step of `busy_s` seconds; once a window is full, maybe resize the team."""
+        if self._set_threads is None:
+            return
+        now = self.clock()
+        window = self._window
+        if window is None:
+            self._window = _Window(now, idle_seconds(os.sched_getaffinity(0)), team_run_delay_ns())
+            return
+        window.busy_s += busy_s
+        if now - window.began < WINDOW_S:
+            return
+        idle_s, delays = idle_seconds(os.sched_getaffinity(0)), team_run_delay_ns()
+        self._window = _Window(now, idle_s, delays)
+        if window.busy_s < MIN_BUSY_S:
+            return
+        waited_s = sum(delays[t] - window.delays[t] for t in delays.keys() & window.delays.keys()) / 1e9
+        self.decide(stolen=waited_s / (window.busy_s * self.current), spare_cores=(idle_s - window.idle_s) /
+                    (now - window.began), now=now)
+
+    def decide(self, stolen: float, spare_cores: float, now: float) -> None:
+        """Resize the team from one window's shares: `stolen`, of the team's busy time spent
+        waiting for a CPU; `spare_cores`, the idle capacity of the engine's CPUs."""
+        if self.current > 1 and stolen > STOLEN_SHARE:
+            self._resize(self.current - 1, f"its threads waited {stolen:.0%} of their time for a CPU")
+            self._dropped_at = now
+        elif self.current < self.ceiling and spare_cores >= SPARE_CORES and now - self._dropped_at >= HOLD_S:
+            self._resize(self.current + 1, f"{spare_cores:.1f} of its cores were idle")
+
+    def _resize(self, threads: int, why: str) -> None:
+        log.info("compute threads %d -> %d: %s", self.current, threads, why)
+        self.current = threads
+        if self._set_threads is not None:
+            self._set_threads(threads)
