@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_migration
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
 	$(PY) -m scripts.bench_colocated
+	$(PY) -m scripts.bench_contention
 
 # duet side by side with vLLM's CPU engine (installed into .venv-peer on first use; not part of
 # `make test`): one table with duet / vLLM ratios, docs/bench/peer.json and peer.png.
