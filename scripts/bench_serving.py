@@ -51,8 +51,9 @@ def disaggregated(tmp: Path, *args: str, decode_args: tuple[str, ...] = ()):
 
 
 def colocated(tmp: Path, *args: str):
-    """One decode node on both cores, no prefill node."""
-    return decode_node(tmp, "--threads", "2", *args)
+    """One decode node at its default placement (compute threads adaptive, up to every core), no
+    prefill node."""
+    return decode_node(tmp, *args)
 
 
 def main() -> int:

@@ -35,6 +35,24 @@ def test_a_neighbour_takes_a_thread_and_a_free_core_gives_it_back() -> None:
     assert team.current == 3  # never above the ceiling
 
 
+def test_a_neighbour_that_comes_and_goes_is_given_longer_holds() -> None:
+    team = ComputeThreads(ceiling=2)
+    team.decide(stolen=0.5, spare_cores=0.0, now=0.0)  # dropped: held HOLD_S
+    now, holds = ct.HOLD_S, []
+    for _ in range(6):
+        team.decide(stolen=0.0, spare_cores=1.0, now=now)  # taken back as soon as the hold ends
+        assert team.current == 2
+        team.decide(stolen=0.5, spare_cores=0.0, now=now + ct.WINDOW_S)  # and dropped at once
+        holds.append(team._hold_s)
+        now += ct.WINDOW_S + team._hold_s
+        team.decide(stolen=0.0, spare_cores=1.0, now=now - 0.1)
+        assert team.current == 1  # still held
+    assert holds == [10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
+    team.decide(stolen=0.0, spare_cores=1.0, now=now)
+    team.decide(stolen=0.5, spare_cores=0.0, now=now + 10 * ct.WINDOW_S)  # a take-back that held a while
+    assert team._hold_s == ct.HOLD_S
+
+
 def test_a_fixed_count_never_moves() -> None:
     team = ComputeThreads(ceiling=2, adaptive=False)
     team.start()

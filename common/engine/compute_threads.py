@@ -16,6 +16,8 @@ thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CP
   their time: a neighbour holds one of the cores;
 - one thread more when the CPUs the engine may run on were idle for at least SPARE_CORES of a
   core over the window (/proc/stat) and no thread was dropped in the last HOLD_S: the core is back.
+  A thread dropped again right after it was taken back (a neighbour that comes and goes, such as a
+  benchmark client) doubles that hold, up to MAX_HOLD_S; one that stays resets it.
 The count is the engine thread's own OpenMP setting (`omp_set_num_threads` acts on the calling
 thread only), which torch's operators and cpu/'s kernels both read, and no other thread's. The
 results do not depend on it: every kernel splits its work over output rows, tokens or heads,
@@ -41,7 +43,8 @@ WINDOW_S = 0.5  # decisions are made on this much wall time of stepping
 MIN_BUSY_S = 0.1  # ... holding at least this much step time
 STOLEN_SHARE = 0.15  # a team whose threads waited this share of their time for a CPU drops one
 SPARE_CORES = 0.5  # idle capacity (in cores) over the window that takes a thread back
-HOLD_S = 5.0  # no thread is taken back this soon after one was dropped
+HOLD_S = 5.0  # no thread is taken back this soon after one was dropped ...
+MAX_HOLD_S = 60.0  # ... nor, after drops that followed a take-back at once, this soon
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -103,6 +106,8 @@ class ComputeThreads:
     _set_threads: Callable[[int], None] | None = field(default=None, init=False)
     _window: _Window | None = field(default=None, init=False)
     _dropped_at: float = field(default=float("-inf"), init=False)
+    _raised_at: float = field(default=float("-inf"), init=False)
+    _hold_s: float = field(default=HOLD_S, init=False)
 
     def __post_init__(self) -> None:
         self.current = self.ceiling
@@ -148,10 +153,14 @@ class ComputeThreads:
         """Resize the team from one window's shares: `stolen`, of the team's busy time spent
         waiting for a CPU; `spare_cores`, the idle capacity of the engine's CPUs."""
         if self.current > 1 and stolen > STOLEN_SHARE:
-            self._resize(self.current - 1, f"its threads waited {stolen:.0%} of their time for a CPU")
+            failed_raise = now - self._raised_at <= 2 * WINDOW_S
+            self._hold_s = min(2 * self._hold_s, MAX_HOLD_S) if failed_raise else HOLD_S
+            self._resize(self.current - 1, f"its threads waited {stolen:.0%} of their time for a CPU; none "
+                         f"taken back for {self._hold_s:.0f} s")
             self._dropped_at = now
-        elif self.current < self.ceiling and spare_cores >= SPARE_CORES and now - self._dropped_at >= HOLD_S:
+        elif self.current < self.ceiling and spare_cores >= SPARE_CORES and now - self._dropped_at >= self._hold_s:
             self._resize(self.current + 1, f"{spare_cores:.1f} of its cores were idle")
+            self._raised_at = now
 
     def _resize(self, threads: int, why: str) -> None:
         log.info("compute threads %d -> %d: %s", self.current, threads, why)
