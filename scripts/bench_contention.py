@@ -38,6 +38,7 @@ from scripts.cpu_quota import QuotaUnavailable, cpu_quota
 from scripts.export_hf_model import export_hf_model
 from scripts.local_daemons import ROOT, decode_node, free_port
 from scripts.peer_aiperf import AiperfUnavailable, AiperfWorkload, run_aiperf
+from scripts.peer_report import ratio_text, value_text
 from scripts.peer_vllm import PeerUnavailable, ensure_installed, vllm_server
 
 SYSTEMS = ("duet", "vllm")
@@ -128,24 +129,17 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
             r, idle = by_case.get(case), by_case.get("idle")
             if r is None:
                 continue
-            vs = (_ratio(r["output_tokens_per_s"], idle["output_tokens_per_s"]),
-                  _ratio(r["itl_p99_ms"], idle["itl_p99_ms"])) if idle else ("n/a", "n/a")
+            vs = (ratio_text(r["output_tokens_per_s"], idle["output_tokens_per_s"]),
+                  ratio_text(r["itl_p99_ms"], idle["itl_p99_ms"])) if idle else ("n/a", "n/a")
             lines.append(f"{case:<9}{system:<8}{r['completed']:>3}/{r['completed'] + r['failed']:<2}"
-                         + "".join(f"{_value(r[k]):>11}" for k, _ in cols) + f"{vs[0]:>15}{vs[1]:>17}")
+                         + "".join(f"{value_text(r[k]):>11}" for k, _ in cols) + f"{vs[0]:>15}{vs[1]:>17}")
         duet, vllm = results.get("duet", {}).get(case), results.get("vllm", {}).get(case)
         if duet and vllm:
-            lines.append(f"{'':<9}{'duet / vLLM':<14}" + "".join(f"{_ratio(duet[k], vllm[k]):>11}" for k, _ in cols))
+            lines.append(f"{'':<9}{'duet / vLLM':<14}"
+                         + "".join(f"{ratio_text(duet[k], vllm[k]):>11}" for k, _ in cols))
     lines.append(f"{INPUT_TOKENS}-token chat prompts, {OUTPUT_TOKENS} output tokens, concurrency {CONCURRENCY}; "
                  "ms for latencies; ratios below 1 are better for latencies, above 1 for throughput")
     return "\n".join(lines)
-
-
-def _value(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "n/a" if a is None or not b else f"{a / b:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> int:

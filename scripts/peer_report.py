@@ -9,6 +9,9 @@ from loadgen.metrics import LatencyStats
 from loadgen.runner import BenchmarkResult
 
 PEER, PEER_NGRAM, PEER_FP32 = "vllm", "vllm-ngram", "vllm-fp32"
+# vLLM's own prefill/decode disaggregation (scripts/peer_vllm_disagg.py): as it comes, where vLLM's
+# NIXL worker re-pins both servers' compute to the last core, and with each server bound to its own core
+PEER_DISAGG, PEER_DISAGG_BOUND = "vllm-disaggregated", "vllm-disaggregated-bound"
 # systems run with n-gram speculative decoding -> the same system without it
 SPECULATIVE = {PEER_NGRAM: PEER, "duet-ngram": "duet-colocated"}
 # systems forced to float32 (the others run at their engine's default dtype: bf16 on this CPU)
@@ -22,7 +25,7 @@ COLUMNS = (
 
 
 def is_peer(system: str) -> bool:
-    return system in (PEER, PEER_NGRAM, PEER_FP32)
+    return system in (PEER, PEER_NGRAM, PEER_FP32, PEER_DISAGG, PEER_DISAGG_BOUND)
 
 
 def peer_of(system: str) -> str:
@@ -33,27 +36,44 @@ def peer_of(system: str) -> str:
     return PEER_FP32 if system in FP32 else PEER
 
 
-def record(workload: str, system: str, result: BenchmarkResult, peer: BenchmarkResult | None,
+def peers_of(system: str) -> tuple[str, ...]:
+    """Every vLLM system a duet system's ratios are printed against: `peer_of`, and for the
+    disaggregated pair also vLLM's own disaggregation in both pinnings."""
+    if system == "duet-disaggregated":
+        return PEER, PEER_DISAGG, PEER_DISAGG_BOUND
+    return (peer_of(system),)
+
+
+def record(workload: str, system: str, result: BenchmarkResult | dict, peer: BenchmarkResult | dict | None,
            acceptance_rate: float | None = None, dtype: str | None = None) -> dict:
-    """The numbers of one run; `same_text_as_vllm` counts the requests whose greedy answer is its
-    peer's (`peer_of`), word for word (None without a peer run); `acceptance_rate` is accepted /
-    drafted speculative tokens (None without speculation); `dtype` what the system computed in."""
+    """The numbers of one run, loadgen's `result` or aiperf's numbers (scripts/peer_aiperf.py);
+    `same_text_as_vllm` counts the requests whose greedy answer is its peer's (`peer_of`), word
+    for word (None without a peer run or without the answers: aiperf's); `acceptance_rate` is
+    accepted / drafted speculative tokens (None without speculation); `dtype` what the system
+    computed in."""
+    same = None
+    if isinstance(result, BenchmarkResult) and isinstance(peer, BenchmarkResult) and not is_peer(system):
+        same = sum(a.ok and b.ok and a.text == b.text for a, b in zip(result.requests, peer.requests))
+    numbers = result if isinstance(result, dict) else loadgen_numbers(result)
+    return {"workload": workload, "system": system, "dtype": dtype, **numbers, "same_text_as_vllm": same,
+            "acceptance_rate": acceptance_rate}
+
+
+def loadgen_numbers(result: BenchmarkResult) -> dict:
+    """A loadgen run's numbers, under the names aiperf's are given too (scripts/peer_aiperf.py)."""
     s = result.summary
 
     def pick(stats: LatencyStats | None, name: str) -> float | None:
         return None if stats is None else getattr(stats, name)
 
-    same = None
-    if peer is not None and not is_peer(system):
-        same = sum(a.ok and b.ok and a.text == b.text for a, b in zip(result.requests, peer.requests))
     return {
-        "workload": workload, "system": system, "dtype": dtype, "model": result.model, "completed": s.completed, "failed": s.failed,
+        "model": result.model, "completed": s.completed, "failed": s.failed,
         "failed_by_status": s.failed_by_status, "duration_s": s.duration_s,
         "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
         "ttft_p50_ms": pick(s.ttft_ms, "median"), "ttft_p99_ms": pick(s.ttft_ms, "p99"),
         "itl_p50_ms": pick(s.itl_ms, "median"), "itl_p99_ms": pick(s.itl_ms, "p99"),
         "tpot_p99_ms": pick(s.tpot_ms, "p99"), "output_tokens_per_s": s.output_throughput,
-        "goodput_req_per_s": s.goodput, "same_text_as_vllm": same, "acceptance_rate": acceptance_rate,
+        "goodput_req_per_s": s.goodput,
     }
 
 
@@ -69,12 +89,12 @@ def format_table(records: list[dict]) -> str:
             done = f"{r['completed']}/{r['completed'] + r['failed']}"
             name = f"{r['system']} ({r['dtype']})" if r.get("dtype") else r["system"]
             lines.append(f"{workload if i == 0 else '':<16}{name:<30}{done:>8}"
-                         + "".join(f"{_value(r[key]):>11}" for key, _, _ in COLUMNS))
-            peer = by_system.get(peer_of(r["system"]))
-            if peer is not None and not is_peer(r["system"]):
+                         + "".join(f"{value_text(r[key]):>11}" for key, _, _ in COLUMNS))
+            peers = [] if is_peer(r["system"]) else [by_system[p] for p in peers_of(r["system"]) if p in by_system]
+            for peer in peers:
                 title = "  duet / vLLM" if peer["system"] == PEER else f"  duet / {peer['system']}"
                 lines.append(f"{'':<16}{title:<30}{'':>8}"
-                             + "".join(f"{_ratio(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
+                             + "".join(f"{ratio_text(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
     lines.append("-" * len(head))
     by_key = {(r["workload"], r["system"]): r for r in records}
     for r in records:
@@ -82,8 +102,8 @@ def format_table(records: list[dict]) -> str:
         if plain is not None:
             rate = r.get("acceptance_rate")
             lines.append(f"speculation, {r['workload']}: {r['system']} / {plain['system']} out tok/s = "
-                         f"{_ratio(r['output_tokens_per_s'], plain['output_tokens_per_s'])}, ITL p50 = "
-                         f"{_ratio(r['itl_p50_ms'], plain['itl_p50_ms'])}, drafted tokens accepted: "
+                         f"{ratio_text(r['output_tokens_per_s'], plain['output_tokens_per_s'])}, ITL p50 = "
+                         f"{ratio_text(r['itl_p50_ms'], plain['itl_p50_ms'])}, drafted tokens accepted: "
                          + ("n/a" if rate is None else f"{rate:.0%}"))
     same = [f"{system} {sum(r['same_text_as_vllm'] for r in rows)}/{sum(r['completed'] for r in rows)}"
             for system in dict.fromkeys(r["system"] for r in records)
@@ -95,11 +115,11 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _value(v: float | None) -> str:
+def value_text(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.1f}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
+def ratio_text(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or not b else f"{a / b:.2f}x"
 
 
@@ -116,7 +136,7 @@ def write_plot(path: Path, records: list[dict], title: str) -> None:
 
     workloads = list(dict.fromkeys(r["workload"] for r in records))
     systems = list(dict.fromkeys(r["system"] for r in records))
-    colors = dict(zip(systems, ("tab:gray", "tab:olive", "tab:blue", "tab:purple", "tab:orange", "tab:green")))
+    colors = {system: plt.cm.tab10(i % 10) for i, system in enumerate(systems)}
     panels = (("TTFT (ms)", ("ttft_p50_ms", "ttft_p99_ms")), ("ITL (ms)", ("itl_p50_ms", "itl_p99_ms")),
               ("output tokens/s", ("output_tokens_per_s",)))
     fig, axes = plt.subplots(len(workloads), len(panels), figsize=(15, 3.2 * len(workloads)), squeeze=False,

@@ -57,7 +57,8 @@ def parse_cpus(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
-def quota_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> float | None:
+def quota_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
+               membership: Path = Path("/proc/self/cgroup")) -> float | None:
     """The CPUs this process's cgroups allow it per period (the tightest quota of its cgroup and
     every parent, v2 `cpu.max` or v1 `cpu.cfs_quota_us`), or None where no quota is set."""
     quotas = []
