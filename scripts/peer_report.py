@@ -10,7 +10,7 @@ from loadgen.runner import BenchmarkResult
 
 PEER, PEER_NGRAM, PEER_FP32 = "vllm", "vllm-ngram", "vllm-fp32"
 # vLLM's own prefill/decode disaggregation (scripts/peer_vllm_disagg.py): as it comes, where vLLM's
-# NIXL worker re-pins both servers' compute to the last core, and with each server bound to its own core
+# NIXL worker re-pins a prefiller thread to the decoder's core, and with that re-pinning neutralised
 PEER_DISAGG, PEER_DISAGG_BOUND = "vllm-disaggregated", "vllm-disaggregated-bound"
 # systems run with n-gram speculative decoding -> the same system without it
 SPECULATIVE = {PEER_NGRAM: PEER, "duet-ngram": "duet-colocated"}

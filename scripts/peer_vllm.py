@@ -24,8 +24,10 @@ import tempfile
 import time
 import urllib.request
 import zipfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from scripts.local_daemons import ROOT, free_port
 
@@ -95,25 +97,52 @@ def _digest(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
+@dataclass(frozen=True)
+class VllmServe:
+    """One `vllm serve model_dir` (2048-token context, vLLM's default dtype unless `extra_args` set
+    `--dtype`) on a free loopback port, answering to the directory's name (as duet does), with
+    `extra_env` added to its environment."""
+    model_dir: Path
+    log_path: Path
+    threads_bind: str | None = None
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
 @contextmanager
-def vllm_server(model_dir: Path, log_path: Path, threads_bind: str | None = None, extra_args: tuple[str, ...] = ()):
-    """`vllm serve model_dir` (2048-token context, vLLM's default dtype unless `extra_args` set
-    `--dtype`) on a free loopback port, answering to the directory's name (as duet does); yields
-    its base URL once /v1/models answers. The whole process group is ended on exit."""
-    port = free_port()
-    cmd = [str(vllm_executable()), "serve", str(model_dir), "--served-model-name", model_dir.name,
-           "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), *extra_args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-    if threads_bind:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, proc, log_path)
+def vllm_servers(*serves: VllmServe) -> Iterator[list[str]]:
+    """Starts the servers together (their start-ups overlap), yields their base URLs once each one's
+    /v1/models answers. Each server's whole process group is ended on exit."""
+    with ExitStack() as stack:
+        started = []
+        for serve in serves:
+            proc, url = _start(serve)
+            stack.callback(_stop_group, proc)
+            started.append((proc, url, serve.log_path))
+        for proc, url, log_path in started:
+            _wait_ready(url, proc, log_path)
+        yield [url for _, url, _ in started]
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log_path: Path, threads_bind: str | None = None,
+                extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """One VllmServe: yields its base URL once /v1/models answers."""
+    with vllm_servers(VllmServe(model_dir, log_path, threads_bind, extra_args)) as (url,):
         yield url
-    finally:
-        _stop_group(proc)
+
+
+def _start(serve: VllmServe) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [str(vllm_executable()), "serve", str(serve.model_dir), "--served-model-name", serve.model_dir.name,
+           "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), *serve.extra_args]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+           **serve.extra_env}
+    if serve.threads_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = serve.threads_bind
+    with open(serve.log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def served_dtype(log_path: Path) -> str | None:

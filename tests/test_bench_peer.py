@@ -1,5 +1,6 @@
 """The parts of `make bench-peer` that need no peer: the Hugging Face export every system loads,
-the `vllm` version stub wheel, and the ratio table. (The peer itself is not installed here.)"""
+the `vllm` version stub wheel, the ratio table, and what aiperf is given and gives back.
+(Neither the peer nor aiperf is installed here.)"""
 from __future__ import annotations
 
 import importlib.metadata
@@ -14,7 +15,8 @@ from common.model.gguf_loader import load_gguf
 from common.model.tokenizer import load_tokenizer
 from scripts.bench_peer import spec_counts_in
 from scripts.export_hf_model import export_hf_model
-from scripts.peer_report import format_table
+from scripts.peer_aiperf import AiperfWorkload, summary_of, tokenizer_cache
+from scripts.peer_report import format_table, record
 from scripts.peer_vllm import VLLM_VERSION, write_version_stub_wheel
 from tests.reference import engine_greedy, hf_greedy
 
@@ -98,3 +100,47 @@ def test_speculative_counters_of_both_engines_are_read_and_summed_over_labels():
     assert spec_counts_in(vllm) == (128.0, 85.0)
     assert spec_counts_in(duet) == (40.0, 31.0)
     assert spec_counts_in("process_cpu_seconds_total 3.0\n") == (0.0, 0.0)
+
+
+def test_duet_disaggregated_gets_a_ratio_to_each_of_vllms_disaggregations():
+    def rec(system, tok_s):
+        return {"workload": "short-chat", "system": system, "completed": 4, "failed": 0, "ttft_p50_ms": 1.0,
+                "ttft_p99_ms": 1.0, "itl_p50_ms": 1.0, "itl_p99_ms": 1.0, "tpot_p99_ms": 1.0,
+                "output_tokens_per_s": tok_s, "goodput_req_per_s": None}
+
+    table = format_table([rec("vllm", 10.0), rec("vllm-disaggregated", 5.0), rec("vllm-disaggregated-bound", 8.0),
+                          rec("duet-disaggregated", 20.0)]).splitlines()
+    ratios = [line.split() for line in table if line.lstrip().startswith("duet / ")]
+    assert [(r[2], r[-2]) for r in ratios] == [("vLLM", "2.00x"), ("vllm-disaggregated", "4.00x"),
+                                               ("vllm-disaggregated-bound", "2.50x")]
+
+
+def test_aiperf_export_becomes_a_record(tmp_path):
+    export = {"request_count": {"avg": 16.0}, "benchmark_duration": {"avg": 8.5}, "total_osl": {"avg": 512.0},
+              "total_isl": {"avg": 3680.0}, "output_token_throughput": {"avg": 60.2},
+              "time_to_first_token": {"p50": 300.0, "p99": 900.0},
+              "inter_token_latency": {"p50": 50.0, "p99": 80.0}, "error_request_count": {"avg": 2.0}}
+    r = record("aiperf short-chat", "duet-colocated", summary_of(export), summary_of({}), dtype="bfloat16")
+    assert (r["completed"], r["failed"], r["output_tokens_per_s"], r["ttft_p50_ms"], r["itl_p99_ms"]) == \
+        (16, 2, 60.2, 300.0, 80.0)
+    assert r["same_text_as_vllm"] is None and r["goodput_req_per_s"] is None  # aiperf returns no answers here
+    assert summary_of({})["output_tokens_per_s"] is None and summary_of({})["completed"] == 0
+
+
+def test_tokenizer_is_laid_out_as_a_hugging_face_cache(tmp_path, hf_dir):
+    transformers = pytest.importorskip("transformers")
+    repo = tokenizer_cache(hf_dir, tmp_path / "hf")
+    assert repo == f"duet/{hf_dir.name}"
+    cached = transformers.AutoTokenizer.from_pretrained(repo, cache_dir=str(tmp_path / "hf" / "hub"),
+                                                        local_files_only=True)
+    assert cached(TEXT)["input_ids"] == load_tokenizer(hf_dir).encode(TEXT)
+    assert tokenizer_cache(hf_dir, tmp_path / "hf") == repo  # again: the same revision, no error
+
+
+def test_aiperf_arguments_are_fixed_lengths_and_a_multi_turn_run_names_its_conversations():
+    single = AiperfWorkload("short-chat", 200, 32, 4, 16).arguments()
+    assert single[single.index("--prompt-input-tokens-mean") + 1] == "200" and "--conversation-num" not in single
+    assert single[single.index("--prompt-output-tokens-stddev") + 1] == "0" and "ignore_eos:true" in single
+    multi = AiperfWorkload("multi-turn", 300, 32, 4, 32, conversations=8, turns=4).arguments()
+    assert multi[multi.index("--conversation-num") + 1] == "8"
+    assert multi[multi.index("--conversation-turn-mean") + 1] == "4"
