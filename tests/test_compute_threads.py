@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.engine import compute_threads as ct
-from common.engine.compute_threads import ComputeThreads, team_run_delay_ns
+from common.engine.compute_threads import ComputeThreads, Team
 from common.engine.core import Engine
 from common.serving.placement import quota_cpus
 from cpu import extension as cpu_extension
@@ -42,14 +42,14 @@ def test_a_neighbour_that_comes_and_goes_is_given_longer_holds() -> None:
     for _ in range(6):
         team.decide(stolen=0.0, spare_cores=1.0, now=now)  # taken back as soon as the hold ends
         assert team.current == 2
-        team.decide(stolen=0.5, spare_cores=0.0, now=now + ct.WINDOW_S)  # and dropped at once
+        team.decide(stolen=0.5, spare_cores=0.0, now=now + ct.FAILED_RAISE_S)  # and dropped at once
         holds.append(team._hold_s)
-        now += ct.WINDOW_S + team._hold_s
+        now += ct.FAILED_RAISE_S + team._hold_s
         team.decide(stolen=0.0, spare_cores=1.0, now=now - 0.1)
         assert team.current == 1  # still held
     assert holds == [10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
     team.decide(stolen=0.0, spare_cores=1.0, now=now)
-    team.decide(stolen=0.5, spare_cores=0.0, now=now + 10 * ct.WINDOW_S)  # a take-back that held a while
+    team.decide(stolen=0.5, spare_cores=0.0, now=now + 10 * ct.FAILED_RAISE_S)  # a take-back that held a while
     assert team._hold_s == ct.HOLD_S
 
 
@@ -103,7 +103,7 @@ def test_the_count_reaches_the_engine_thread_alone_and_logits_do_not_depend_on_i
         counts, outs = [], []
         with torch.inference_mode():
             outs.append(logits())
-            workers = len(team_run_delay_ns())
+            workers = len(Team().run_delay_ns())
             team.decide(stolen=0.9, spare_cores=0.0, now=0.0)
             counts.append(torch.get_num_threads())
             outs.append(logits())

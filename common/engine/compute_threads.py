@@ -11,7 +11,7 @@ wakes its threads from a futex sleep.
 
 So the team keeps spinning, and its size follows the cores the engine actually gets, between one
 thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CPU quota):
-- one thread fewer when, over a window of busy steps, the team's threads were runnable but waiting
+- one thread fewer when, over a window of WINDOW_BUSY_S of steps, the team's threads were runnable but waiting
   for a CPU (their `run_delay`, /proc/<pid>/task/<tid>/schedstat) for more than STOLEN_SHARE of
   their time: a neighbour holds one of the cores;
 - one thread more when the CPUs the engine may run on were idle for at least SPARE_CORES of a
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 TEAM_NAME = "duet-compute"  # at most 15 characters: a Linux thread name
-WINDOW_S = 0.5  # decisions are made on this much wall time of stepping
-MIN_BUSY_S = 0.1  # ... holding at least this much step time
+WINDOW_BUSY_S = 0.1  # decisions are made on windows holding this much step time
+FAILED_RAISE_S = 1.0  # a drop this soon after a take-back means the neighbour is still there
 STOLEN_SHARE = 0.15  # a team whose threads waited this share of their time for a CPU drops one
 SPARE_CORES = 0.5  # idle capacity (in cores) over the window that takes a thread back
 HOLD_S = 5.0  # no thread is taken back this soon after one was dropped ...
@@ -60,19 +60,30 @@ def _name_this_thread(name: str) -> None:
         comm.write(name)
 
 
-def team_run_delay_ns(name: str = TEAM_NAME) -> dict[int, int]:
-    """Each thread named `name` in this process: nanoseconds it has waited, runnable, for a CPU."""
-    delays = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                if comm.read().rstrip("\n") != name:
-                    continue
-            with open(f"/proc/self/task/{tid}/schedstat") as stat:
-                delays[int(tid)] = int(stat.read().split()[1])
-        except (OSError, IndexError, ValueError):  # the thread ended, or no schedstats in this kernel
-            continue
-    return delays
+class Team:
+    """The threads named TEAM_NAME in this process (a thread's name is read when its id is first
+    seen; ids of threads that ended are forgotten)."""
+
+    def __init__(self, name: str = TEAM_NAME) -> None:
+        self.name = name
+        self._is_member: dict[int, bool] = {}
+
+    def run_delay_ns(self) -> dict[int, int]:
+        """Each member thread: nanoseconds it has waited, runnable, for a CPU."""
+        known, self._is_member, delays = self._is_member, {}, {}
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                member = known.get(tid)
+                if member is None:
+                    with open(f"/proc/self/task/{tid}/comm") as comm:
+                        member = comm.read().rstrip("\n") == self.name
+                self._is_member[tid] = member
+                if member:
+                    with open(f"/proc/self/task/{tid}/schedstat") as stat:
+                        delays[tid] = int(stat.read().split()[1])
+            except (OSError, IndexError, ValueError):  # the thread ended, or no schedstats in this kernel
+                continue
+        return delays
 
 
 def idle_seconds(cpus: set[int]) -> float:
@@ -105,6 +116,7 @@ class ComputeThreads:
     current: int = field(init=False)
     _set_threads: Callable[[int], None] | None = field(default=None, init=False)
     _window: _Window | None = field(default=None, init=False)
+    _team: Team = field(default_factory=Team, init=False)
     _dropped_at: float = field(default=float("-inf"), init=False)
     _raised_at: float = field(default=float("-inf"), init=False)
     _hold_s: float = field(default=HOLD_S, init=False)
@@ -133,27 +145,23 @@ class ComputeThreads:
         """Account a step of `busy_s` seconds; once a window is full, maybe resize the team."""
         if self._set_threads is None:
             return
-        now = self.clock()
         window = self._window
-        if window is None:
-            self._window = _Window(now, idle_seconds(os.sched_getaffinity(0)), team_run_delay_ns())
-            return
-        window.busy_s += busy_s
-        if now - window.began < WINDOW_S:
-            return
-        idle_s, delays = idle_seconds(os.sched_getaffinity(0)), team_run_delay_ns()
+        if window is not None:
+            window.busy_s += busy_s
+            if window.busy_s < WINDOW_BUSY_S:
+                return
+        now, idle_s, delays = self.clock(), idle_seconds(os.sched_getaffinity(0)), self._team.run_delay_ns()
         self._window = _Window(now, idle_s, delays)
-        if window.busy_s < MIN_BUSY_S:
-            return
-        waited_s = sum(delays[t] - window.delays[t] for t in delays.keys() & window.delays.keys()) / 1e9
-        self.decide(stolen=waited_s / (window.busy_s * self.current), spare_cores=(idle_s - window.idle_s) /
-                    (now - window.began), now=now)
+        if window is not None:
+            waited_s = sum(delays[t] - window.delays[t] for t in delays.keys() & window.delays.keys()) / 1e9
+            self.decide(stolen=waited_s / (window.busy_s * self.current),
+                        spare_cores=(idle_s - window.idle_s) / max(now - window.began, 1e-3), now=now)
 
     def decide(self, stolen: float, spare_cores: float, now: float) -> None:
         """Resize the team from one window's shares: `stolen`, of the team's busy time spent
         waiting for a CPU; `spare_cores`, the idle capacity of the engine's CPUs."""
         if self.current > 1 and stolen > STOLEN_SHARE:
-            failed_raise = now - self._raised_at <= 2 * WINDOW_S
+            failed_raise = now - self._raised_at <= FAILED_RAISE_S
             self._hold_s = min(2 * self._hold_s, MAX_HOLD_S) if failed_raise else HOLD_S
             self._resize(self.current - 1, f"its threads waited {stolen:.0%} of their time for a CPU; none "
                          f"taken back for {self._hold_s:.0f} s")
