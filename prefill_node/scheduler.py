@@ -115,7 +115,7 @@ class PrefillScheduler(EngineLoop):
     def _has_work(self) -> bool:
         return bool(self._jobs or self._waiting)
 
-    def _step(self) -> None:
+    def _step(self) -> int:
         with self.lock:
             self._admit()
             work, budget = [], self.max_batch_tokens
@@ -128,7 +128,7 @@ class PrefillScheduler(EngineLoop):
             self._in_flight = [job for job, _, _ in work]
         if not work:
             time.sleep(0.001)
-            return
+            return 0
 
         def push(layer: int) -> None:
             for job, _, pieces in work:
@@ -159,6 +159,7 @@ class PrefillScheduler(EngineLoop):
                     if job in self._jobs:
                         self._jobs.remove(job)
                     job.prefilled.set()
+        return batch_tokens
 
     def _trace_posted(self, job: PrefillJob, layer: int, pieces: list[Piece], source: str) -> None:
         """One layer's K/V of `job` about to be handed to its transfer session (traced first: the

@@ -19,45 +19,64 @@ from tests.helpers import random_ids
 
 def test_a_neighbour_takes_a_thread_and_a_free_core_gives_it_back() -> None:
     team = ComputeThreads(ceiling=3)
-    team.decide(stolen=0.05, spare_cores=0.0, now=0.0)
+    team.decide(step_s={}, stolen=0.05, spare_cores=0.0, now=0.0)
     assert team.current == 3  # waiting a little is not a neighbour
-    team.decide(stolen=ct.STOLEN_SHARE + 0.1, spare_cores=0.0, now=1.0)
-    team.decide(stolen=ct.STOLEN_SHARE + 0.1, spare_cores=0.0, now=2.0)
-    team.decide(stolen=0.9, spare_cores=0.0, now=3.0)
+    team.decide(step_s={}, stolen=ct.STOLEN_SHARE + 0.1, spare_cores=0.0, now=1.0)
+    team.decide(step_s={}, stolen=ct.STOLEN_SHARE + 0.1, spare_cores=0.0, now=2.0)
+    team.decide(step_s={}, stolen=0.9, spare_cores=0.0, now=3.0)
     assert team.current == 1  # never below one; the last drop was at 2.0
-    team.decide(stolen=0.0, spare_cores=1.0, now=2.0 + ct.HOLD_S - 0.1)
+    team.decide(step_s={}, stolen=0.0, spare_cores=1.0, now=2.0 + ct.HOLD_S - 0.1)
     assert team.current == 1  # held a while after a drop
-    team.decide(stolen=0.0, spare_cores=ct.SPARE_CORES - 0.1, now=3.0 + ct.HOLD_S)
+    team.decide(step_s={}, stolen=0.0, spare_cores=ct.SPARE_CORES - 0.1, now=3.0 + ct.HOLD_S)
     assert team.current == 1  # the core is not free yet
-    team.decide(stolen=0.0, spare_cores=1.0, now=3.0 + ct.HOLD_S)
-    team.decide(stolen=0.0, spare_cores=1.0, now=4.0 + ct.HOLD_S)
-    team.decide(stolen=0.0, spare_cores=2.0, now=5.0 + ct.HOLD_S)
+    team.decide(step_s={}, stolen=0.0, spare_cores=1.0, now=3.0 + ct.HOLD_S)
+    team.decide(step_s={}, stolen=0.0, spare_cores=1.0, now=4.0 + ct.HOLD_S)
+    team.decide(step_s={}, stolen=0.0, spare_cores=2.0, now=5.0 + ct.HOLD_S)
     assert team.current == 3  # never above the ceiling
 
 
 def test_a_neighbour_that_comes_and_goes_is_given_longer_holds() -> None:
     team = ComputeThreads(ceiling=2)
-    team.decide(stolen=0.5, spare_cores=0.0, now=0.0)  # dropped: held HOLD_S
+    team.decide(step_s={}, stolen=0.5, spare_cores=0.0, now=0.0)  # dropped: held HOLD_S
     now, holds = ct.HOLD_S, []
     for _ in range(6):
-        team.decide(stolen=0.0, spare_cores=1.0, now=now)  # taken back as soon as the hold ends
+        team.decide(step_s={}, stolen=0.0, spare_cores=1.0, now=now)  # taken back as soon as the hold ends
         assert team.current == 2
-        team.decide(stolen=0.5, spare_cores=0.0, now=now + ct.FAILED_RAISE_S)  # and dropped at once
+        team.decide(step_s={}, stolen=0.5, spare_cores=0.0, now=now + ct.FAILED_RAISE_S)  # and dropped at once
         holds.append(team._hold_s)
         now += ct.FAILED_RAISE_S + team._hold_s
-        team.decide(stolen=0.0, spare_cores=1.0, now=now - 0.1)
+        team.decide(step_s={}, stolen=0.0, spare_cores=1.0, now=now - 0.1)
         assert team.current == 1  # still held
     assert holds == [10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
-    team.decide(stolen=0.0, spare_cores=1.0, now=now)
-    team.decide(stolen=0.5, spare_cores=0.0, now=now + 10 * ct.FAILED_RAISE_S)  # a take-back that held a while
+    team.decide(step_s={4: 0.03}, stolen=0.0, spare_cores=1.0, now=now)
+    team.decide(step_s={4: 0.015}, stolen=0.0, spare_cores=1.0, now=now + 0.1)  # a take-back that paid
+    team.decide(step_s={}, stolen=0.5, spare_cores=0.0, now=now + 10 * ct.FAILED_RAISE_S)  # and held a while
     assert team._hold_s == ct.HOLD_S
+
+
+def test_a_take_back_that_does_not_make_same_size_steps_faster_is_dropped_again() -> None:
+    team = ComputeThreads(ceiling=2)
+    team.decide(step_s={}, stolen=0.5, spare_cores=0.0, now=0.0)
+    team.decide(step_s={4: 0.030, 300: 0.2}, stolen=0.0, spare_cores=1.0, now=ct.HOLD_S)
+    assert team.current == 2
+    team.decide(step_s={5: 0.02}, stolen=0.0, spare_cores=1.0, now=ct.HOLD_S + 0.1)
+    assert team.current == 2  # no step of a size seen before: nothing to compare yet
+    team.decide(step_s={4: 0.029, 5: 0.02}, stolen=0.0, spare_cores=1.0, now=ct.HOLD_S + 0.2)
+    assert team.current == 1 and team._hold_s == 2 * ct.HOLD_S  # 0.97x the time: it did not pay
+    now = 3 * ct.HOLD_S + 1
+    team.decide(step_s={4: 0.030}, stolen=0.0, spare_cores=1.0, now=now)
+    team.decide(step_s={4: 0.018}, stolen=0.0, spare_cores=1.0, now=now + 0.1)
+    team.decide(step_s={4: 0.018}, stolen=0.0, spare_cores=1.0, now=now + 10)
+    assert team.current == 2  # 0.6x the time: it stays
+    team.decide(step_s={4: 0.030}, stolen=0.0, spare_cores=1.0, now=now + 20)
+    assert team.current == 2  # compared once, right after the take-back, not ever after
 
 
 def test_a_fixed_count_never_moves() -> None:
     team = ComputeThreads(ceiling=2, adaptive=False)
     team.start()
     for step in range(50):
-        team.after_step(1.0)
+        team.after_step(1.0, 4)
     assert team.current == 2 and team._set_threads is None
 
 
@@ -104,10 +123,10 @@ def test_the_count_reaches_the_engine_thread_alone_and_logits_do_not_depend_on_i
         with torch.inference_mode():
             outs.append(logits())
             workers = len(Team().run_delay_ns())
-            team.decide(stolen=0.9, spare_cores=0.0, now=0.0)
+            team.decide(step_s={}, stolen=0.9, spare_cores=0.0, now=0.0)
             counts.append(torch.get_num_threads())
             outs.append(logits())
-            team.decide(stolen=0.0, spare_cores=2.0, now=ct.HOLD_S)
+            team.decide(step_s={}, stolen=0.0, spare_cores=2.0, now=ct.HOLD_S)
             counts.append(torch.get_num_threads())
             outs.append(logits())
         return counts, outs, workers

@@ -16,8 +16,12 @@ thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CP
   their time: a neighbour holds one of the cores;
 - one thread more when the CPUs the engine may run on were idle for at least SPARE_CORES of a
   core over the window (/proc/stat) and no thread was dropped in the last HOLD_S: the core is back.
-  A thread dropped again right after it was taken back (a neighbour that comes and goes, such as a
-  benchmark client) doubles that hold, up to MAX_HOLD_S; one that stays resets it.
+  A thread taken back must pay: if steps of the same size (tokens) are not at least
+  1 / TAKE_BACK_GAIN times as fast as just before, it is dropped again. That is how a heavy
+  client on the same host shows (aiperf, measured): it takes the CPU between the engine's steps
+  more than inside them, so the team's threads wait little, yet two threads step no faster than
+  one. A thread dropped again right after it was taken back (a neighbour that comes and goes)
+  doubles that hold, up to MAX_HOLD_S; one that stays resets it.
 The count is the engine thread's own OpenMP setting (`omp_set_num_threads` acts on the calling
 thread only), which torch's operators and cpu/'s kernels both read, and no other thread's. The
 results do not depend on it: every kernel splits its work over output rows, tokens or heads,
@@ -31,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +46,8 @@ log = logging.getLogger(__name__)
 TEAM_NAME = "duet-compute"  # at most 15 characters: a Linux thread name
 WINDOW_BUSY_S = 0.1  # decisions are made on windows holding this much step time
 FAILED_RAISE_S = 1.0  # a drop this soon after a take-back means the neighbour is still there
+TAKE_BACK_GAIN = 0.9  # a taken-back thread stays if same-size steps take at most this share of their time
+VERIFY_WINDOWS = 5  # windows after a take-back in which to find steps of a size seen just before
 STOLEN_SHARE = 0.15  # a team whose threads waited this share of their time for a CPU drops one
 SPARE_CORES = 0.5  # idle capacity (in cores) over the window that takes a thread back
 HOLD_S = 5.0  # no thread is taken back this soon after one was dropped ...
@@ -103,6 +110,10 @@ class _Window:
     idle_s: float
     delays: dict[int, int]
     busy_s: float = 0.0
+    step_s: dict[int, list[float]] = field(default_factory=dict)  # tokens of a step -> its durations
+
+    def median_step_s(self) -> dict[int, float]:
+        return {tokens: statistics.median(times) for tokens, times in self.step_s.items()}
 
 
 @dataclass
@@ -120,6 +131,8 @@ class ComputeThreads:
     _dropped_at: float = field(default=float("-inf"), init=False)
     _raised_at: float = field(default=float("-inf"), init=False)
     _hold_s: float = field(default=HOLD_S, init=False)
+    _before_raise: dict[int, float] | None = field(default=None, init=False)  # median step time by size
+    _verify_windows: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.current = self.ceiling
@@ -141,13 +154,15 @@ class ComputeThreads:
             return
         self._set_threads = runtime.omp_set_num_threads
 
-    def after_step(self, busy_s: float) -> None:
-        """Account a step of `busy_s` seconds; once a window is full, maybe resize the team."""
+    def after_step(self, busy_s: float, tokens: int) -> None:
+        """Account a step of `busy_s` seconds that computed `tokens` tokens; once a window is
+        full, maybe resize the team."""
         if self._set_threads is None:
             return
         window = self._window
         if window is not None:
             window.busy_s += busy_s
+            window.step_s.setdefault(tokens, []).append(busy_s)
             if window.busy_s < WINDOW_BUSY_S:
                 return
         now, idle_s, delays = self.clock(), idle_seconds(os.sched_getaffinity(0)), self._team.run_delay_ns()
@@ -155,20 +170,43 @@ class ComputeThreads:
         if window is not None:
             waited_s = sum(delays[t] - window.delays[t] for t in delays.keys() & window.delays.keys()) / 1e9
             self.decide(stolen=waited_s / (window.busy_s * self.current),
-                        spare_cores=(idle_s - window.idle_s) / max(now - window.began, 1e-3), now=now)
+                        spare_cores=(idle_s - window.idle_s) / max(now - window.began, 1e-3),
+                        step_s=window.median_step_s(), now=now)
 
-    def decide(self, stolen: float, spare_cores: float, now: float) -> None:
-        """Resize the team from one window's shares: `stolen`, of the team's busy time spent
-        waiting for a CPU; `spare_cores`, the idle capacity of the engine's CPUs."""
-        if self.current > 1 and stolen > STOLEN_SHARE:
-            failed_raise = now - self._raised_at <= FAILED_RAISE_S
-            self._hold_s = min(2 * self._hold_s, MAX_HOLD_S) if failed_raise else HOLD_S
-            self._resize(self.current - 1, f"its threads waited {stolen:.0%} of their time for a CPU; none "
-                         f"taken back for {self._hold_s:.0f} s")
-            self._dropped_at = now
+    def decide(self, stolen: float, spare_cores: float, step_s: dict[int, float], now: float) -> None:
+        """Resize the team from one window: `stolen`, the share of the team's busy time spent
+        waiting for a CPU; `spare_cores`, the idle capacity of the engine's CPUs; `step_s`, the
+        median step time by the step's tokens."""
+        slower = self._take_back_did_not_pay(step_s)
+        if slower is not None:
+            self._drop(now, f"{slower:.2f}x the step time of one thread fewer", failed_take_back=True)
+        elif self.current > 1 and stolen > STOLEN_SHARE:
+            self._drop(now, f"its threads waited {stolen:.0%} of their time for a CPU",
+                       failed_take_back=now - self._raised_at <= FAILED_RAISE_S or self._before_raise is not None)
         elif self.current < self.ceiling and spare_cores >= SPARE_CORES and now - self._dropped_at >= self._hold_s:
             self._resize(self.current + 1, f"{spare_cores:.1f} of its cores were idle")
-            self._raised_at = now
+            self._raised_at, self._before_raise, self._verify_windows = now, step_s, VERIFY_WINDOWS
+
+    def _take_back_did_not_pay(self, step_s: dict[int, float]) -> float | None:
+        """After a take-back: the step time against that of same-size steps just before, where
+        that shows the take-back did not pay; None while it did or nothing compares yet."""
+        if self._before_raise is None:
+            return None
+        common = step_s.keys() & self._before_raise.keys()
+        self._verify_windows -= 1
+        if not common:
+            if self._verify_windows <= 0:
+                self._before_raise = None
+            return None
+        before, self._before_raise = self._before_raise, None
+        ratio = statistics.median(step_s[n] / before[n] for n in common)
+        return ratio if ratio > TAKE_BACK_GAIN else None
+
+    def _drop(self, now: float, why: str, failed_take_back: bool) -> None:
+        self._hold_s = min(2 * self._hold_s, MAX_HOLD_S) if failed_take_back else HOLD_S
+        self._before_raise = None
+        self._resize(self.current - 1, f"{why}; none taken back for {self._hold_s:.0f} s")
+        self._dropped_at = now
 
     def _resize(self, threads: int, why: str) -> None:
         log.info("compute threads %d -> %d: %s", self.current, threads, why)

@@ -64,16 +64,17 @@ class EngineLoop:
                 if self._stopped:
                     return
             began = time.perf_counter()
-            self._step()
-            threads.after_step(time.perf_counter() - began)
+            tokens = self._step()
+            threads.after_step(time.perf_counter() - began, tokens)
 
     # ---- for subclasses ----
 
     def _has_work(self) -> bool:
         raise NotImplementedError
 
-    def _step(self) -> None:
-        """One iteration; takes the lock itself where it touches shared state."""
+    def _step(self) -> int:
+        """One iteration; takes the lock itself where it touches shared state. Returns the tokens
+        its forward computed (0 for none): steps of the same size take the same time."""
         raise NotImplementedError
 
     def _on_stop(self) -> None:

@@ -204,14 +204,14 @@ class Scheduler(EngineLoop):
     def _has_work(self) -> bool:
         return bool(self._active or self._detaches)
 
-    def _step(self) -> None:
+    def _step(self) -> int:
         with self.lock:
             self._apply_aborts()
             self._apply_detaches()
             work = self._plan_step()
         if not work:
             time.sleep(0.001)
-            return
+            return 0
         scoring = {i for i, (r, _) in enumerate(work) if r.group.scoring_prompt or r.spec.tokens}
         # A decode's speculative draft counts in the decode part of the step, not as prompt tokens.
         decodes = [n == 1 or bool(r.spec.tokens) for r, n in work]
@@ -226,7 +226,7 @@ class Scheduler(EngineLoop):
             with self.lock:
                 for r, _ in work:
                     self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
-            return
+            return 0
         self.step_budget.record(sum(decodes), prompt_tokens, 1e3 * (time.perf_counter() - started), attended)
         with self.lock:
             at = 0
@@ -251,6 +251,7 @@ class Scheduler(EngineLoop):
                         self._sampling_failed(r, exc)
                 elif i in scoring:
                     r.group.prompt_logprobs.add(rows, r.seq.num_computed - n)
+        return sum(n for _, n in work)
 
     def _sampling_failed(self, r: Sample, exc: Exception) -> None:
         """End `r` after its sampling raised: INVALID_ARGUMENT where its grammar cannot go on with
