@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,14 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of %(default)s")
     p.add_argument("--requests", type=int, default=16, help="requests per case (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="run everything this many times, the systems' order "
+                   "reversed every other round, and print each number's median (default %(default)s)")
     p.add_argument("--output-dir", type=Path, default=ROOT / "docs" / "bench",
                    help="where contention.json goes (default %(default)s)")
     a = p.parse_args(argv)
     systems, cases = [s for s in a.systems.split(",") if s], [c for c in a.cases.split(",") if c]
-    if not systems or set(systems) - set(SYSTEMS) or not cases or set(cases) - set(CASES):
-        p.error(f"--systems from {','.join(SYSTEMS)}, --cases from {','.join(CASES)}")
+    if not systems or set(systems) - set(SYSTEMS) or not cases or set(cases) - set(CASES) or a.rounds < 1:
+        p.error(f"--systems from {','.join(SYSTEMS)}, --cases from {','.join(CASES)}, --rounds >= 1")
     began = time.monotonic()
-    results: dict[str, dict[str, dict]] = {}
+    rounds: list[dict[str, dict[str, dict]]] = []
     with tempfile.TemporaryDirectory(prefix="bench_contention_") as tmp:
         tmp = Path(tmp)
         try:
@@ -163,15 +166,32 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = export_hf_model(tmp / served_model_name(default_model_path()))
             for system in systems:
                 (tmp / system).mkdir()
-                results[system] = run_system(system, [c for c in CASES if c in cases], model_dir, tmp, a.requests)
+            for n in range(a.rounds):
+                order = systems if n % 2 == 0 else systems[::-1]
+                rounds.append({system: run_system(system, [c for c in CASES if c in cases], model_dir, tmp,
+                                                  a.requests) for system in order})
         except (PeerUnavailable, AiperfUnavailable) as exc:
             print(f"bench_contention: {exc}", file=sys.stderr)
             return 2
-    print(format_table(results))
+    results = medians(rounds)
+    print(format_table(results) + (f"\nmedians of {a.rounds} rounds" if a.rounds > 1 else ""))
     a.output_dir.mkdir(parents=True, exist_ok=True)
-    (a.output_dir / "contention.json").write_text(json.dumps(results, indent=1) + "\n")
+    (a.output_dir / "contention.json").write_text(json.dumps({"medians": results, "rounds": rounds}, indent=1) + "\n")
     print(f"bench_contention: {time.monotonic() - began:.0f}s in all", flush=True)
-    return 0 if all(r["failed"] == 0 for by_case in results.values() for r in by_case.values()) else 1
+    return 0 if all(r["failed"] == 0 for run in rounds for by_case in run.values() for r in by_case.values()) else 1
+
+
+def medians(rounds: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
+    """Each system's, case's and number's median over the rounds that ran it (failed counts summed)."""
+    out: dict[str, dict[str, dict]] = {}
+    for system in rounds[0]:
+        for case in rounds[0][system]:
+            runs = [run[system][case] for run in rounds if case in run.get(system, {})]
+            out.setdefault(system, {})[case] = {
+                key: sum(r[key] for r in runs) if key in ("completed", "failed") else
+                statistics.median(r[key] for r in runs) if all(r[key] is not None for r in runs) else None
+                for key in runs[0]}
+    return out
 
 
 if __name__ == "__main__":
