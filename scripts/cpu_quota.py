@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from common.serving.placement import cgroup_memberships
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
 
@@ -42,15 +44,6 @@ def _move_self(cgroup: Path) -> None:
     (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
 
 
-def _own_cgroup(hierarchy: str) -> str:
-    """This process's path in the hierarchy named `hierarchy` ("" for v2) of /proc/self/cgroup."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == hierarchy:
-            return path.lstrip("/")
-    raise QuotaUnavailable(f"this process is in no {hierarchy or 'v2'} cgroup")
-
-
 def _v2() -> tuple[Path, Path] | None:
     """(root, home) of the v2 hierarchy where it has the cpu controller, or None."""
     controllers = CGROUP_ROOT / "cgroup.controllers"
@@ -59,13 +52,15 @@ def _v2() -> tuple[Path, Path] | None:
     subtree = CGROUP_ROOT / "cgroup.subtree_control"
     if "cpu" not in subtree.read_text().split():
         subtree.write_text("+cpu\n")
-    return CGROUP_ROOT, CGROUP_ROOT / _own_cgroup("")
+    path = next((path for controllers, path in cgroup_memberships() if controllers == ""), None)
+    if path is None:
+        raise QuotaUnavailable("this process is in no cgroup v2")
+    return CGROUP_ROOT, CGROUP_ROOT / path.lstrip("/")
 
 
 def _v1() -> tuple[Path, Path] | None:
     """(root, home) of the v1 hierarchy holding the cpu controller, or None."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
+    for controllers, path in cgroup_memberships():
         if "cpu" in controllers.split(","):
             root = CGROUP_ROOT / controllers
             if (root / "cpu.cfs_quota_us").is_file():

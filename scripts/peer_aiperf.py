@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.local_daemons import ROOT
+from scripts.peer_vllm import run_step
 
 AIPERF = "aiperf==0.13.0"
 AIPERF_VENV = ROOT / ".venv-aiperf"
@@ -61,13 +62,10 @@ def ensure_installed() -> Path:
     executable = AIPERF_VENV / "bin" / "aiperf"
     if INSTALLED_STAMP.is_file() and INSTALLED_STAMP.read_text().strip() == AIPERF and executable.exists():
         return executable
-    for cmd in ([sys.executable, "-m", "venv", str(AIPERF_VENV)],
-                [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", AIPERF]):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-            raise AiperfUnavailable(f"{' '.join(cmd[-2:])} failed (exit {done.returncode}): "
-                                    f"{lines[-1] if lines else ''}")
+    python = AIPERF_VENV / "bin" / "python"
+    if not python.exists():
+        run_step(sys.executable, "-m", "venv", AIPERF_VENV, what=f"creating {AIPERF_VENV}", error=AiperfUnavailable)
+    run_step(python, "-m", "pip", "install", "--quiet", AIPERF, what=f"pip install {AIPERF}", error=AiperfUnavailable)
     INSTALLED_STAMP.write_text(AIPERF + "\n")
     return executable
 

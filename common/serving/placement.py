@@ -57,13 +57,17 @@ def parse_cpus(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def cgroup_memberships(membership: Path = Path("/proc/self/cgroup")) -> list[tuple[str, str]]:
+    """(controllers, path) of each hierarchy this process is in; controllers "" is cgroup v2."""
+    return [tuple(line.split(":", 2)[1:]) for line in membership.read_text().splitlines()]
+
+
 def quota_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
                membership: Path = Path("/proc/self/cgroup")) -> float | None:
     """The CPUs this process's cgroups allow it per period (the tightest quota of its cgroup and
     every parent, v2 `cpu.max` or v1 `cpu.cfs_quota_us`), or None where no quota is set."""
     quotas = []
-    for line in membership.read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
+    for controllers, path in cgroup_memberships(membership):
         if controllers == "":  # cgroup v2
             base, files = cgroup_root, ("cpu.max",)
         elif "cpu" in controllers.split(","):  # cgroup v1, where the cpu controller is mounted
