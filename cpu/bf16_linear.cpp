@@ -31,10 +31,7 @@
 
 #include <cstring>
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -86,28 +83,16 @@ void avx512_group(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wg, c
 
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileK = 32;  // bf16 values of a row of x per A tile (64 bytes)
-constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-
-// ldtilecfg's 64-byte operand: palette 1, then bytes per row and rows of each tile.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: C, rows x 16 float32 columns; 4: A, rows x 32 bf16 of x; 5-7: B, 16 k-pairs x 16 columns.
-TileConfig tile_config(int64_t rows) {
-  TileConfig config;
-  for (int t = 0; t < 5; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = 64;
-  for (int t = 5; t < 8; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
+duet_amx::TileConfig tile_config(int64_t rows) {
+  duet_amx::TileConfig config;
+  for (int t = 0; t < 5; ++t) config.set(t, rows, 64);
+  for (int t = 5; t < 8; ++t) config.set(t, kTileRows, 64);
   return config;
 }
 
-bool amx_available() {
-  // Linux lets a process use AMX's tile data only once it has asked (arch_prctl); asked once.
-  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
+bool amx_available() { return duet_amx::available(); }
 
 // rows (<= 16) of x times one packed group, into out; the tiles are configured for `rows`.
 void amx_block(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* wg, const float* bias, uint16_t* out,
@@ -143,7 +128,7 @@ void amx_groups(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
                 int64_t N, int64_t g0, int64_t g1) {
   const int64_t full_rows = M - M % kTileRows;
   if (full_rows > 0) {
-    const TileConfig full = tile_config(kTileRows);
+    const duet_amx::TileConfig full = tile_config(kTileRows);
     _tile_loadconfig(&full);
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t m = 0; m < full_rows; m += kTileRows)
@@ -151,7 +136,7 @@ void amx_groups(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
                   out + m * N + g * kGroup, N);
   }
   if (full_rows < M) {
-    const TileConfig tail = tile_config(M - full_rows);
+    const duet_amx::TileConfig tail = tile_config(M - full_rows);
     _tile_loadconfig(&tail);
     for (int64_t g = g0; g < g1; ++g)
       amx_block(x + full_rows * K, M - full_rows, K, w + g * K * kGroup, bias ? bias + g * kGroup : nullptr,

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in (
     "paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "prefill_attention.cpp", "intra_op_threads.cpp"))
+HEADERS = (Path(__file__).resolve().parent / "amx_tiles.h",)  # included by the sources: part of the cache key
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -56,7 +57,7 @@ def _compile_command(compiler: str, output: Path) -> list[str]:
 def library_path(compiler: str) -> Path:
     """Where the library built by `compiler` for these sources, torch and CPU is cached."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), " ".join(FLAGS).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), torch.__version__.encode(), " ".join(FLAGS).encode(),
                  compiler.encode(), _cpu_features().encode()):
         key.update(part)
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
@@ -103,13 +104,14 @@ def _smoke_test(ops: object) -> None:
                 raise RuntimeError(f"the bf16 linear kernel returned wrong values (amx={amx})")
     if has_bf16_prefill_attention(ops):
         q, k, v = (torch.randn(n, heads, 64, generator=gen).bfloat16() for n, heads in ((3, 4), (5, 2), (5, 2)))
-        out = torch.empty_like(q)
-        ops.bf16_prefill_attention(q, k, v, out, 0.125)
         mask = torch.ones(3, 5, dtype=torch.bool).tril(2)
         want = torch.nn.functional.scaled_dot_product_attention(
             *(t.float().transpose(0, 1) for t in (q, k, v)), attn_mask=mask, scale=0.125, enable_gqa=True)
-        if not torch.allclose(out.float(), want.transpose(0, 1), atol=3e-2):
-            raise RuntimeError("the bf16 prefill attention kernel returned wrong values")
+        for amx in {False, bool(ops.bf16_linear_amx_available())}:
+            out = torch.empty_like(q)
+            ops.bf16_prefill_attention(q, k, v, out, 0.125, amx)
+            if not torch.allclose(out.float(), want.transpose(0, 1), atol=3e-2):
+                raise RuntimeError(f"the bf16 prefill attention kernel returned wrong values (amx={amx})")
 
 
 def claim_intra_op_threads(device: torch.device) -> int:
@@ -135,6 +137,12 @@ def bf16_linear_uses_amx(ops: object, in_features: int) -> bool:
 def has_bf16_prefill_attention(ops: object) -> bool:
     """Whether the library holds `bf16_prefill_attention` (built for a CPU with AVX512-BF16)."""
     return hasattr(ops, "bf16_prefill_attention")
+
+
+def bf16_prefill_attention_uses_amx(ops: object) -> bool:
+    """Whether `bf16_prefill_attention` takes its AMX path in this process (as for `bf16_linear`:
+    built for AMX and granted the tiles); decided once, since the two paths round differently."""
+    return bool(ops.bf16_linear_amx_available())
 
 
 def pack_bf16_linear(weight: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,18 @@ def test_a_take_back_that_does_not_make_same_size_steps_faster_is_dropped_again(
     assert team.current == 2  # compared once, right after the take-back, not ever after
 
 
+@pytest.mark.parametrize("steal_per_step_s, threads", [(0.0, 2), (0.04, 1)])
+def test_time_the_hypervisor_steals_counts_as_waiting(steal_per_step_s: float, threads: int) -> None:
+    clock, steal = [0.0], [0.0]
+    team = ComputeThreads(ceiling=2, clock=lambda: clock[0], cpu_times=lambda cpus: (0.0, steal[0]))
+    team._set_threads = lambda n: None
+    for _ in range(3):  # steps back to back, 50 ms each; with steal, 40% of the team's time is gone
+        clock[0] += 0.05
+        steal[0] += steal_per_step_s
+        team.after_step(0.05, 4)
+    assert team.current == threads
+
+
 def test_a_fixed_count_never_moves() -> None:
     team = ComputeThreads(ceiling=2, adaptive=False)
     team.start()

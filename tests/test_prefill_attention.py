@@ -14,6 +14,9 @@ from cpu import extension
 
 pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the kernel needs AVX512-BF16")
 SCALE_64 = 64 ** -0.5
+# The kernel's instruction paths: both where this CPU has AMX (the engine takes that one), else AVX512-BF16.
+PATHS = [pytest.param(False, id="avx512_bf16"),
+         pytest.param(True, id="amx", marks=pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="no AMX here"))]
 
 
 def _qkv(n: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -24,9 +27,9 @@ def _qkv(n: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: in
     return q, k, v
 
 
-def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, amx: bool = False) -> torch.Tensor:
     out = torch.empty_like(q)
-    extension.kernels().bf16_prefill_attention(q, k, v, out, q.shape[-1] ** -0.5)
+    extension.kernels().bf16_prefill_attention(q, k, v, out, q.shape[-1] ** -0.5, amx)
     return out
 
 
@@ -43,24 +46,28 @@ def test_the_kernel_is_built_here() -> None:
     assert extension.has_bf16_prefill_attention(extension.kernels()), extension.unavailable_reason()
 
 
+@pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize(("n", "length", "heads", "kv_heads", "head_dim"),
                          [(300, 300, 9, 3, 64), (100, 300, 9, 3, 64), (5, 40, 9, 3, 64), (70, 70, 4, 2, 128)],
                          ids=["whole-prompt", "tail-chunk", "short-chunk", "head-dim-128"])
-def test_as_close_to_float32_as_sdpa_in_bf16(n: int, length: int, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_as_close_to_float32_as_sdpa_in_bf16(n: int, length: int, heads: int, kv_heads: int, head_dim: int,
+                                             amx: bool) -> None:
     q, k, v = _qkv(n, length, heads, kv_heads, head_dim)
     exact = _sdpa(q.float(), k.float(), v.float())
-    ours, sdpa = (f(q, k, v).float() - exact for f in (_kernel, _sdpa))
+    ours, sdpa = (f(q, k, v).float() - exact for f in (lambda *t: _kernel(*t, amx=amx), _sdpa))
     torch.testing.assert_close(ours + exact, exact, atol=2e-2, rtol=2e-2)
     assert ours.abs().mean() <= 1.25 * sdpa.abs().mean()  # about one bf16 rounding of the output
     assert ours.abs().max() <= 2 * sdpa.abs().max()
 
 
-def test_a_row_does_not_depend_on_how_its_prompt_was_chunked() -> None:
+@pytest.mark.parametrize("amx", PATHS)
+def test_a_row_does_not_depend_on_how_its_prompt_was_chunked(amx: bool) -> None:
     q, k, v = _qkv(300, 300, 9, 3, 64, seed=1)
-    whole = _kernel(q, k, v)
-    for start in (1, 31, 32, 33, 150, 299):  # tails cut at, around and off the key blocks
-        assert torch.equal(_kernel(q[start:].contiguous(), k, v), whole[start:])
-    assert torch.equal(_kernel(q[40:200].contiguous(), k[:200].contiguous(), v[:200].contiguous()), whole[40:200])
+    whole = _kernel(q, k, v, amx)
+    for start in (1, 15, 16, 17, 31, 32, 33, 150, 299):  # tails cut at, around and off the row and key blocks
+        assert torch.equal(_kernel(q[start:].contiguous(), k, v, amx), whole[start:])
+    assert torch.equal(_kernel(q[40:200].contiguous(), k[:200].contiguous(), v[:200].contiguous(), amx),
+                       whole[40:200])
 
 
 def test_refuses_what_it_was_not_built_for() -> None:
