@@ -4,8 +4,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from common.openai_http import attach_openai_front
+from common.model.default_model import default_model_path
+from common.openai_http import attach_openai_front, served_model_name
+from common.openai_http.gateway_routes import GatewayRoutes
 from common.serving.daemon import GrpcDaemon, run_node
+from common.serving.kv_events_zmq import attach_kv_event_publisher
 from common.serving.model_loading import load_model_and_tokenizer
 from decode_node.config import DecodeNodeConfig, parse_args
 from decode_node.node import DecodeNode
@@ -20,9 +23,14 @@ def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node, daemon.draining, daemon.request_stop),
                                                    daemon.server)
     daemon.before_stop(node.drain_before_stop)
+    front = None
     if config.openai_port is not None:
-        attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model,
-                            config.api_key, config.tool_call_parser)
+        gateway = GatewayRoutes(ready=lambda: daemon.serving and not node.draining, registry=node.metrics.registry,
+                                tokenizer=node.tokenizer, max_model_len=node.engine.model.config.max_position_embeddings)
+        front = attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model,
+                                    config.api_key, config.tool_call_parser, gateway)
+    attach_kv_event_publisher(daemon, config, node.engine.kv_events, front.port if front else daemon.port,
+                              front.model_name if front else served_model_name(config.model or default_model_path()))
     return node
 
 

@@ -161,11 +161,11 @@ class HandOff:
 
     def generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams,
                         sampling: pb.SamplingParams | None, cancelled: Callable[[], bool],
-                        deadline: float | None) -> tuple[RequestHandle | None, bool]:
+                        deadline: float | None, prefiller: str | None = None) -> tuple[RequestHandle | None, bool]:
         """The three calls with a prefill node: the handle, or None when the KV did not arrive;
         and whether the request was aborted meanwhile (then Generate must not prefill it here)."""
         steps = _InProcessSteps(self, request_id, tokens, params, sampling, cancelled, deadline)
-        handle = hand_off(request_id, tokens, steps, self.prefill_pool, self.tracer)
+        handle = hand_off(request_id, tokens, steps, self.prefill_pool, self.tracer, prefiller)
         return handle, steps.entry is not None and steps.entry.status is Status.ABORTED
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine.core import Engine
-from common.serving.pool_metrics import prefix_hit_counter, register_pool_gauges
+from common.serving.pool_metrics import prefix_hit_counter, register_gateway_gauges, register_pool_gauges
 from common.transports.metrics import TransferMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -16,13 +16,18 @@ _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 class DecodeMetrics:
     def __init__(self, engine: Engine, reserved_pages: Callable[[], int], quarantined_pages: Callable[[], int],
-                 compute_threads: Callable[[], int]) -> None:
+                 compute_threads: Callable[[], int], running: Callable[[], int], waiting: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         register_pool_gauges(r, engine, compute_threads)
+        register_gateway_gauges(r, engine, running, waiting)
         Gauge("duet_kv_pages_reserved", "Pages held by reservations not yet claimed by StartGeneration",
               registry=r).set_function(reserved_pages)
         self.requests = Counter("duet_requests", "Finished requests by outcome", ["rpc", "outcome"], registry=r)
+        self.prefiller_header = Counter(
+            "duet_prefiller_header_requests", "Requests whose HTTP call named a prefill node (x-prefiller-host-port), "
+            "by outcome (used: one of --prefill, tried first for the hand-off; ignored: not one of them)",
+            ["outcome"], registry=r)
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=r)

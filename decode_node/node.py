@@ -42,6 +42,7 @@ from decode_node.writers import Writers
 from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
+WAITING_STATUSES = (Status.QUEUED, *HOLDING_RESERVATION)  # what vllm:num_requests_waiting counts
 
 class DecodeNode:
     def __init__(self, config: DecodeNodeConfig, model: LlamaModel, tokenizer: Tokenizer) -> None:
@@ -56,7 +57,9 @@ class DecodeNode:
                                    adaptive_threads=config.threads is None)
         self.metrics = DecodeMetrics(self.engine, self.requests.reserved_pages,
                                      quarantined_pages=lambda: self.writers.fences.quarantined_pages(),
-                                     compute_threads=self.scheduler.compute_threads)
+                                     compute_threads=self.scheduler.compute_threads,
+                                     running=lambda: self.requests.counts()[Status.RUNNING],
+                                     waiting=lambda: sum(self.requests.counts()[s] for s in WAITING_STATUSES))
         self.scheduler.speculator.observers.append(self.metrics.observe_speculation)
         self.admission = Admission(
             config, self.engine, running=self.requests.admitted,
@@ -159,7 +162,8 @@ class DecodeNode:
 
     def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None,
-                 sampling: pb.SamplingParams | None = None, continuation: Continuation | None = None) -> RequestHandle:
+                 sampling: pb.SamplingParams | None = None, continuation: Continuation | None = None,
+                 prefiller: str | None = None) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
         when no prefill node delivers) prefill locally, reusing the prefix cache either way.
         `cancelled` tells whether the caller gave up (then nothing more is started); with
@@ -167,7 +171,8 @@ class DecodeNode:
         A request for prompt logprobs is computed here from its first token (module docstring
         of common/engine/scheduler.py). `sampling`: the parameters as the client sent them.
         With a `continuation` the prompt's generation continues here from the tokens another node
-        generated, their context recomputed (with the prefix cache's help)."""
+        generated, their context recomputed (with the prefix cache's help). `prefiller`: the
+        prefill node a gateway named (x-prefiller-host-port); used when it is one of --prefill."""
         check_request_id(request_id)
         self._check_accepting()
         self._check_speculation(params)
@@ -179,7 +184,8 @@ class DecodeNode:
             self.admission.check_room()
             cached = self.engine.prefix_cache.matched_length(tokens[:-1])
         if worth_remote(len(tokens), cached, self.config.min_remote_prefill_tokens, scoring, self.prefill_pool):
-            handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, sampling, cancelled, deadline)
+            handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, sampling, cancelled, deadline,
+                                                            self._named_prefiller(prefiller))
             if aborted:
                 raise Aborted(f"request {request_id!r} was aborted during its hand-off to a prefill node")
             if handle is not None:
@@ -236,6 +242,13 @@ class DecodeNode:
                                                     use_prefix_cache=use_prefix_cache),
             cancelled, deadline)
         return seq
+
+    def _named_prefiller(self, address: str | None) -> str | None:
+        if address is None:
+            return None
+        known = address in {m.address for m in self.prefill_pool.members()}
+        self.metrics.prefiller_header.labels("used" if known else "ignored").inc()
+        return address if known else None
 
     # ---- load and abort ----
 

@@ -13,6 +13,7 @@ from common.engine.generation import Continuation, RequestHandle
 from common.engine.guided import GrammarCompiler
 from common.engine.sampling import SamplingParams
 from common.errors import RequestError
+from common.openai_http.gateway_routes import PREFILLER_HEADER
 from common.serving.node_rpcs import NodeRpcs
 from common.serving.prompts import prompt_token_ids
 from common.serving.rpc_convert import chunk_to_proto, continuation_from_proto, sampling_from_proto
@@ -100,7 +101,8 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
             tokens = prompt_token_ids(request, self.node.tokenizer)
             handle = self.node.generate(rid, tokens, params, cancelled=_cancelled(context),
                                         deadline=_deadline(context), sampling=request.sampling,
-                                        continuation=self._continuation(request, params))
+                                        continuation=self._continuation(request, params),
+                                        prefiller=dict(context.invocation_metadata()).get(PREFILLER_HEADER))
         except RequestError as exc:
             self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)

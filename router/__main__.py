@@ -18,6 +18,7 @@ from pathlib import Path
 from common.model.default_model import default_model_path
 from common.model.tokenizer import load_tokenizer
 from common.openai_http import add_openai_args, attach_openai_front
+from common.openai_http.gateway_routes import GatewayRoutes
 from common.peers.kv_index import KvIndex
 from common.peers.kv_watch import KvWatch
 from common.peers.membership import Membership
@@ -95,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill,
                     NodeChooser(args.policy, index), args.min_remote_prefill_tokens, args.migration_limit)
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
+    decode.on_health = lambda: daemon.set_ready(bool(decode.healthy()))  # SERVING while a decode node is healthy
+    decode.on_health()
     if args.openai_port is not None:
         attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model,
-                            args.api_key, args.tool_call_parser)
+                            args.api_key, args.tool_call_parser,
+                            GatewayRoutes(ready=lambda: daemon.serving, registry=router.registry,
+                                          tokenizer=router.tokenizer))
     stop = threading.Event()
     if args.members is not None:
         threading.Thread(target=watch_members, args=(args.members, decode, prefill, stop, args.poll_seconds),

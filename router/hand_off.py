@@ -71,12 +71,18 @@ class Router:
             Gauge(f"duet_router_healthy_{kind}_nodes", f"Healthy {kind} nodes", registry=self.registry
                   ).set_function(lambda m=members: len(m.healthy()))
 
-    def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerationChunk]:
+    def generate(self, request: pb.GenerateRequest, deadline_s: float | None = None) -> Iterator[pb.GenerationChunk]:
+        """`deadline_s`: the time the caller left the call; with no healthy decode node, the request
+        waits for the next poll to find one, as long as that."""
         tokens = prompt_token_ids(request, self.tokenizer)
         rid = request.request_id or uuid.uuid4().hex
         relayed = Relayed(request.sampling)
         tried: set[str] = set()  # each decode node serves a request once
         choices = self._candidates(tokens, tried)
+        if not choices:
+            wait_s = self.decode.poll_wait_s if deadline_s is None else min(deadline_s, self.decode.poll_wait_s)
+            self.decode.wait_healthy(wait_s)
+            choices = self._candidates(tokens, tried)
         if not choices:
             raise Unavailable("no healthy decode node")
         while True:

@@ -18,7 +18,7 @@ class RouterService(duet_pb2_grpc.DecodeNodeServicer):
 
     def Generate(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerationChunk]:
         try:
-            for chunk in self.router.generate(request):
+            for chunk in self.router.generate(request, context.time_remaining()):
                 if not context.is_active():
                     return
                 yield chunk

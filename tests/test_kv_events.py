@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 
+import msgpack
 import pytest
+import zmq
 
 from common.kv.block_hashes import ROOT_HASH, block_hashes, chain_hash
 from common.kv.events import KvEventLog
 from common.kv.page_allocator import PageAllocator
 from common.kv.prefix_cache import PrefixCache
+from common.serving.kv_events_zmq import END_OF_REPLAY, KvEventPublisher
+from scripts.local_daemons import free_port
 
 
 def test_a_block_hash_covers_every_token_before_it():
@@ -64,7 +69,71 @@ def test_a_prefix_cache_reports_full_pages_but_not_tails():
     allocator.decref(pages)
     (change,) = log.changes_after(0)
     assert set(change.stored) == set(block_hashes(tokens, 4)) and change.removed == ()
+    first, second = block_hashes(tokens, 4)
+    assert [(b.block_hash, b.parent, b.token_ids) for b in change.stored_blocks] == [
+        (first, None, (0, 1, 2, 3)), (second, first, (4, 5, 6, 7))]  # what vLLM-format events carry
     assert cache.evict(8) == 3  # the tail and both pages, one published change
     (change,) = log.changes_after(1)
     assert set(change.removed) == set(block_hashes(tokens, 4)) and change.stored == ()
     assert log.num_blocks == 0
+
+
+def test_the_zmq_publisher_chains_stored_blocks_and_answers_replays():
+    """vLLM's wire format from a log (the daemons' contract is tests/test_inference_gateway.py)."""
+    context = zmq.Context()
+    endpoint, replay_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    log = KvEventLog(4)
+    sub = context.socket(zmq.SUB)
+    sub.bind(endpoint)  # as llm-d's picker: it binds, the pods' publishers connect
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    publisher = KvEventPublisher(log, endpoint, "kv@h:1@m", "CPU", replay_endpoint)
+    publisher.start()
+
+    def received() -> tuple[bytes, int, list]:
+        topic, sequence, payload = sub.recv_multipart()
+        return topic, int.from_bytes(sequence, "big"), msgpack.unpackb(payload)[1]
+
+    try:
+        # PUB/SUB drops what goes out before the subscription has crossed (the replay socket is
+        # for that): publish a probe until one arrives.
+        for _ in range(100):
+            log.stored(99, None, (0, 0, 0, 0))
+            log.removed(99)
+            log.publish()
+            if sub.poll(100):
+                break
+        while sub.poll(300):
+            probe = received()
+        log.stored(11, None, (1, 2, 3, 4))
+        log.stored(12, 11, (5, 6, 7, 8))  # continues 11: one chain
+        log.stored(21, None, (9, 9, 9, 9))  # another prompt's first page
+        log.publish()
+        log.removed(12)
+        log.publish()
+        assert sub.poll(5000)
+        got = [received()]
+        assert sub.poll(5000)
+        got.append(received())
+        first = probe[1] + 1
+        assert got == [(b"kv@h:1@m", first, [["BlockStored", [11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU"],
+                                             ["BlockStored", [21], None, [9, 9, 9, 9], 4, None, "CPU"]]),
+                       (b"kv@h:1@m", first + 1, [["BlockRemoved", [12], "CPU"]])]
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while not replayed or replayed[-1][0] != END_OF_REPLAY:
+            assert dealer.poll(5000)
+            replayed.append(dealer.recv_multipart()[1:])
+        assert [int.from_bytes(r[0], "big", signed=True) for r in replayed] == [*range(first + 2), -1]
+        assert msgpack.unpackb(replayed[0][1])[1] == [["AllBlocksCleared"]]  # the first message: a reset
+        assert replayed[-1][1] == b""
+        dealer.send_multipart([b"", b"not a sequence"])  # malformed: nothing but the end marker
+        assert dealer.poll(5000) and dealer.recv_multipart()[1:] == [END_OF_REPLAY, b""]
+        dealer.close()
+    finally:
+        publisher.stop()
+        sub.close()
+        context.term()
+    with pytest.raises(ValueError, match="--kv-events-endpoint"):
+        KvEventPublisher(log, "nonsense://x", "t", "CPU")

@@ -6,6 +6,9 @@ the last `publish` becomes one numbered change (`KvChange`). Within a change onl
 state counts (stored then removed is a removal), so applying changes in order, idempotently
 (add the stored, discard the removed), rebuilds the cache's set of blocks.
 
+Each stored block also carries what vLLM-format subscribers need (common/serving/kv_events_zmq.py):
+the block before it (None for a prompt's first) and its tokens.
+
 A watcher starts from `snapshot()` (every block held, with the sequence it reflects) and follows
 `changes_after`; the last `history` changes are kept, so a watcher that lost its stream can resume
 without a snapshot if it was not gone long. A restart gives the log a new `incarnation`, so a
@@ -21,10 +24,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class StoredBlock:
+    block_hash: int
+    parent: int | None  # the hash of the block before it; None: it starts its prompt
+    token_ids: tuple[int, ...]  # a full page
+
+
+@dataclass(frozen=True)
 class KvChange:
     sequence: int  # the log's state after this change; consecutive
     stored: tuple[int, ...]
     removed: tuple[int, ...]
+    stored_blocks: tuple[StoredBlock, ...] = ()  # `stored`, in order, with parents and tokens
 
 
 class KvEventLog:
@@ -32,8 +43,8 @@ class KvEventLog:
         self.block_size = block_size
         self.incarnation = secrets.token_hex(8)
         self._cond = threading.Condition()
-        self._blocks: set[int] = set()
-        self._pending: dict[int, bool] = {}  # block hash -> held, since the last publish
+        self._blocks: dict[int, StoredBlock] = {}  # held, in the order stored
+        self._pending: dict[int, bool] = {}  # block hash -> held, since the last publish; latest last
         self._sequence = 0
         self._history: deque[KvChange] = deque(maxlen=history)
 
@@ -47,14 +58,17 @@ class KvEventLog:
         with self._cond:
             return len(self._blocks)
 
-    def stored(self, block_hash: int) -> None:
+    def stored(self, block_hash: int, parent: int | None = None, token_ids: tuple[int, ...] = ()) -> None:
         with self._cond:
-            self._blocks.add(block_hash)
+            self._blocks.pop(block_hash, None)
+            self._blocks[block_hash] = StoredBlock(block_hash, parent, token_ids)
+            self._pending.pop(block_hash, None)  # a parent re-stored goes before its children
             self._pending[block_hash] = True
 
     def removed(self, block_hash: int) -> None:
         with self._cond:
-            self._blocks.discard(block_hash)
+            self._blocks.pop(block_hash, None)
+            self._pending.pop(block_hash, None)
             self._pending[block_hash] = False
 
     def publish(self) -> None:
@@ -64,9 +78,14 @@ class KvEventLog:
 
     def snapshot(self) -> tuple[int, list[int]]:
         """(sequence, every block held after that change)."""
+        sequence, blocks = self.snapshot_blocks()
+        return sequence, [b.block_hash for b in blocks]
+
+    def snapshot_blocks(self) -> tuple[int, list[StoredBlock]]:
+        """(sequence, every block held after that change, each after its parent)."""
         with self._cond:
             self._publish_locked()
-            return self._sequence, list(self._blocks)
+            return self._sequence, list(self._blocks.values())
 
     def changes_after(self, sequence: int) -> list[KvChange] | None:
         """The changes after `sequence` (none when it is the latest), or None when the history no
@@ -91,5 +110,5 @@ class KvEventLog:
         removed = tuple(h for h, held in self._pending.items() if not held)
         self._pending.clear()
         self._sequence += 1
-        self._history.append(KvChange(self._sequence, stored, removed))
+        self._history.append(KvChange(self._sequence, stored, removed, tuple(self._blocks[h] for h in stored)))
         self._cond.notify_all()

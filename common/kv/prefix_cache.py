@@ -187,6 +187,16 @@ class PrefixCache:
         cache. O(cached pages), since other holders' refcounts change without telling the cache."""
         return len(self._evictable_nodes())
 
+    def pages_held_only_here(self) -> int:
+        """Cached pages no request holds (what a request would find free, as vLLM counts its free
+        blocks); O(cached pages)."""
+        stack, count = list(self._root.kids()), 0
+        while stack:
+            node = stack.pop()
+            stack.extend(node.kids())
+            count += self.allocator.refcount(node.page) == 1
+        return count
+
     def _evictable_nodes(self) -> dict[int, tuple[_Node, int]]:
         """By page: the nodes whose whole subtree is held only by the cache, each with the
         latest access in its subtree (what evicting it costs)."""
@@ -298,7 +308,7 @@ class PrefixCache:
         (parent.tails if is_tail else parent.children)[key] = node
         self._num_nodes += 1
         if self.events is not None and not is_tail:
-            self.events.stored(node.block_hash)
+            self.events.stored(node.block_hash, None if parent is self._root else parent.block_hash, key)
         return node
 
     def _drop_tails(self, node: _Node, which: Callable[[_Node], bool]) -> None:

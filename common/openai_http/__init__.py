@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from common.model.default_model import default_model_path
 from common.openai_http.api_keys import ENV_VAR, ApiKeys
+from common.openai_http.gateway_routes import GatewayRoutes
 from common.openai_http.server import OpenAIFront
 from common.openai_http.tool_output import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from common.serving.tls import TlsFiles
@@ -58,21 +59,24 @@ def served_model_name(model: Path) -> str:
 
 def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_names: Sequence[str] | str,
                         model: Path | None, api_keys: Sequence[str] = (),
-                        tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> OpenAIFront:
+                        tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+                        gateway: GatewayRoutes = GatewayRoutes(ready=lambda: True)) -> OpenAIFront:
     """Bind the HTTP port now and have `daemon` serve it alongside gRPC, calling its own
     `Generate` over a loopback channel. With TLS on, the loopback presents the daemon's
     certificate and the front serves HTTPS with it, requiring client certificates signed by
     the CA when there is one (as the gRPC port does).
     No `served_names` answers to the name of `model` (None = the embedded default model).
     `api_keys` (with DUET_API_KEY) are the Bearer keys /v1/* requires; none = no key.
-    `tool_call_parser` reads tool calls out of "auto" answers."""
+    `tool_call_parser` reads tool calls out of "auto" answers. `gateway`: the inference gateway's
+    routes (health, metrics, tokenize, render: common/openai_http/gateway_routes.py)."""
     host = daemon.address.rsplit(":", 1)[0]
     loopback = "127.0.0.1" if host in _WILDCARD_HOSTS else host
     stub = duet_pb2_grpc.DecodeNodeStub(tls.channel(f"{loopback}:{daemon.port}"))
     names = (served_names,) if isinstance(served_names, str) else tuple(served_names)  # a config file's string
     names = tuple(n for n in names if n) or (served_model_name(model or default_model_path()),)
     front = OpenAIFront(host, port, names, stub, https_context(tls) if tls.enabled else None,
-                        ApiKeys.from_flags((api_keys,) if isinstance(api_keys, str) else api_keys), tool_call_parser)
+                        ApiKeys.from_flags((api_keys,) if isinstance(api_keys, str) else api_keys), tool_call_parser,
+                        gateway)
     daemon.add_front(front)
     return front
 

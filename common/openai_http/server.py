@@ -15,7 +15,7 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -24,6 +24,8 @@ import grpc
 
 from common.openai_http.api_errors import ApiError
 from common.openai_http.api_keys import ApiKeys
+from common.openai_http.gateway_routes import (GET_PATHS, POST_PATHS, PREFILLER_HEADER, GatewayRoutes, Reply,
+                                               prefiller_metadata)
 from common.openai_http.request_mapping import Endpoint, MappedRequest, map_request
 from common.openai_http.response_shaping import ResponseShaper
 from common.openai_http.tool_output import DEFAULT_TOOL_CALL_PARSER
@@ -52,8 +54,10 @@ class OpenAIFront:
 
     def __init__(self, host: str, port: int, model_names: str | tuple[str, ...], stub: duet_pb2_grpc.DecodeNodeStub,
                  ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys = ApiKeys(),
-                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> None:
+                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+                 gateway: GatewayRoutes = GatewayRoutes(ready=lambda: True)) -> None:
         self.api_keys = api_keys
+        self.gateway = gateway
         self.tool_call_parser = tool_call_parser
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
@@ -150,7 +154,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path.rstrip("/")
         if not self._authorized(path):
             return
-        if path == "/v1/models":
+        if path in GET_PATHS:
+            self._answer(lambda: self.front.gateway.get(path))
+        elif path == "/v1/models":
             self._send_json(HTTPStatus.OK, self.front.models())
         elif path.startswith("/v1/models/") and path[len("/v1/models/"):] in self.front.model_names:
             self._send_json(HTTPStatus.OK, self.front.model_entry(path[len("/v1/models/"):]))
@@ -167,6 +173,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._read_body()  # also for an unknown route: the connection stays clean for the next request
             if not self._authorized(path):
                 return
+            if path in POST_PATHS:
+                self._answer(lambda: self.front.gateway.post(path, _parse_json(body), self.front.model_names))
+                return
             if endpoint is None:
                 self._not_found(path)
                 return
@@ -174,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as exc:
             self._send_error(exc)
             return
-        call = self.front.stub.Generate(request.generate)
+        call = self.front.stub.Generate(request.generate, metadata=prefiller_metadata(self.headers.get(PREFILLER_HEADER)))
         answered = threading.Event()
         threading.Thread(target=_cancel_when_client_leaves, args=(self.connection, call, answered),
                          name="openai-http-watch", daemon=True).start()
@@ -267,17 +276,32 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _not_found(self, path: str) -> None:
         self._send_error(ApiError(HTTPStatus.NOT_FOUND, f"no route {self.command} {path}; this server serves "
-                                  "/v1/completions, /v1/chat/completions and /v1/models"))
+                                  "/v1/completions, /v1/chat/completions and /v1/models, their /render, "
+                                  "/tokenize, /detokenize, /health and /metrics"))
+
+    def _answer(self, reply: Callable[[], Reply]) -> None:
+        try:
+            answer = reply()
+        except ApiError as exc:
+            self._send_error(exc)
+            return
+        if isinstance(answer.body, bytes):
+            self._send_bytes(answer.status, answer.body, answer.content_type)
+        else:
+            self._send_json(answer.status, answer.body)
 
     def _send_error(self, exc: ApiError) -> None:
         self._send_json(exc.status, exc.body())
 
-    def _send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
+    def _send_json(self, status: HTTPStatus, body: dict | list, headers: dict[str, str] | None = None) -> None:
+        self._send_bytes(status, json.dumps(body).encode(), "application/json", headers)
+
+    def _send_bytes(self, status: HTTPStatus, data: bytes, content_type: str,
+                    headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         for name, value in (headers or {}).items():
             self.send_header(name, value)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")

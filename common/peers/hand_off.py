@@ -46,9 +46,10 @@ class HandOffSteps(Protocol, Generic[T]):
 
 
 def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], prefill: PrefillPool,
-             tracer: Tracer | None = None) -> T | None:
-    """Run the three calls; None when the KV did not arrive (nothing is left reserved), so the
-    caller falls back to the decode node's own prefill."""
+             tracer: Tracer | None = None, preferred_prefill: str | None = None) -> T | None:
+    """Run the three calls (on `preferred_prefill` first, when it is one of `prefill`'s nodes);
+    None when the KV did not arrive (nothing is left reserved), so the caller falls back to the
+    decode node's own prefill."""
     p = steps.prepare()
     if p is None:
         return None
@@ -59,7 +60,7 @@ def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], prefill
             decode_address=steps.decode_address, transfer_nonce=p.transfer_nonce)
         with tracer.span(request_id, "remote_prefill") if tracer else nullcontext({}) as span:
             span["prefill"] = prefill.push(request, still_wanted=steps.still_wanted,
-                                           lease_deadline_unix=p.lease_deadline_unix)
+                                           lease_deadline_unix=p.lease_deadline_unix, preferred=preferred_prefill)
         if span["prefill"] is None or not steps.still_wanted():
             steps.release()
             return None

@@ -48,10 +48,12 @@ class Membership(Generic[StubT]):
         self._tls = tls
         self._members: dict[str, Member[StubT]] = {}
         self._lock = threading.Lock()
+        self._health_changed = threading.Condition(self._lock)
         self._poll_seconds = poll_seconds
         self._rpc_timeout_s = rpc_timeout_s
         self._stopped = threading.Event()
         self.on_load: Callable[[Member[StubT]], None] = lambda member: None  # after each successful poll
+        self.on_health: Callable[[], None] = lambda: None  # after a member turned healthy or unhealthy
         for address in addresses:
             self.add(address)
         self._thread = threading.Thread(target=self._poll_loop, name="membership", daemon=True)
@@ -72,7 +74,7 @@ class Membership(Generic[StubT]):
         with self._lock:
             member = self._members.pop(address, None)
         if member is not None:
-            member.healthy = False
+            self._set_health(member, False)
             member.channel.close()
 
     def set(self, addresses: list[str]) -> None:
@@ -90,6 +92,17 @@ class Membership(Generic[StubT]):
         with self._lock:
             return [m for m in self._members.values() if m.healthy]
 
+    def wait_healthy(self, timeout: float) -> list[Member[StubT]]:
+        """The healthy members, waiting up to `timeout` seconds for one when there is none."""
+        with self._health_changed:
+            self._health_changed.wait_for(lambda: any(m.healthy for m in self._members.values()), timeout)
+            return [m for m in self._members.values() if m.healthy]
+
+    @property
+    def poll_wait_s(self) -> float:
+        """The longest a member that came up waits to be seen healthy: a poll period and its call."""
+        return self._poll_seconds + self._rpc_timeout_s
+
     def refresh(self, member: Member[StubT]) -> None:
         try:
             before = member.in_flight
@@ -98,15 +111,23 @@ class Membership(Generic[StubT]):
             self.on_load(member)
             if not member.healthy:
                 log.info("node healthy", extra={"fields": {"address": member.address}})
-            member.healthy = True
+            self._set_health(member, True)
         except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed by remove()
             if member.healthy:
                 log.warning("node unhealthy", extra={"fields": {"address": member.address, "error": str(exc)}})
-            member.healthy = False
+            self._set_health(member, False)
 
     def mark_failed(self, member: Member[StubT]) -> None:
         """A request just failed there: stop routing to it until the next successful poll."""
-        member.healthy = False
+        self._set_health(member, False)
+
+    def _set_health(self, member: Member[StubT], healthy: bool) -> None:
+        with self._health_changed:
+            if member.healthy == healthy:
+                return
+            member.healthy = healthy
+            self._health_changed.notify_all()
+        self.on_health()
 
     def close(self) -> None:
         self._stopped.set()

@@ -45,12 +45,15 @@ class PrefillPool(Membership[duet_pb2_grpc.PrefillNodeStub]):
         super().close()
 
     def push(self, request: pb.RemoteSendRequest, still_wanted: Callable[[], bool] = lambda: True,
-             lease_deadline_unix: float | None = None) -> str | None:
-        """RemoteSend to the best-ranked healthy prefill node, falling through to the next on
-        failure, within the reservation's lease when its deadline is given (else the pool's
-        timeout). Returns the address that delivered the KV, or None if none did."""
+             lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
+        """RemoteSend to the best-ranked healthy prefill node (`preferred` first, when it is a
+        healthy member: a gateway that named one), falling through to the next on failure, within
+        the reservation's lease when its deadline is given (else the pool's timeout). Returns the
+        address that delivered the KV, or None if none did."""
         prompt = request.token_ids[: request.kv_window_end]  # what a prefill node computes
-        for choice in self.chooser.rank(self.healthy(), prompt):
+        ranked = self.chooser.rank(self.healthy(), prompt)
+        ranked.sort(key=lambda choice: choice.member.address != preferred)  # stable: the rest keep their order
+        for choice in ranked:
             member = choice.member
             timeout = self._timeout_s if lease_deadline_unix is None else lease_deadline_unix - time.time()
             if timeout <= 0:

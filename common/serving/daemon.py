@@ -67,7 +67,12 @@ class GrpcDaemon:
             raise OSError(f"cannot listen on {self.address}")
         self._stop = threading.Event()
         self.draining = threading.Event()  # set when shutdown begins: long-lived streams end
+        self._ready = True  # the daemon's own word (a router: it has a healthy decode node)
+        self._serving = False  # health says SERVING
         self._fronts: list[Front] = []
+        self._service_names: list[str] = []
+        self._health_lock = threading.Lock()
+        self.server_started = False
         self._before_stop: list[Callable[[], None]] = []
 
     def request_stop(self) -> None:
@@ -78,6 +83,27 @@ class GrpcDaemon:
         """Run `callback` when shutdown begins, while the server still serves (a decode node moving
         its running requests elsewhere), before in-flight calls get --drain-seconds to end."""
         self._before_stop.append(callback)
+
+    @property
+    def serving(self) -> bool:
+        """Whether health checks say SERVING now: serving started, shutdown not begun, and the
+        daemon ready (`set_ready`)."""
+        return self._serving
+
+    def set_ready(self, ready: bool) -> None:
+        """Whether the daemon can serve requests; health says SERVING only while it can."""
+        self._ready = ready
+        self._publish_health()
+
+    def _publish_health(self, always: bool = False) -> None:
+        with self._health_lock:
+            serving = self._ready and self.server_started and not self.draining.is_set()
+            if serving != self._serving or always:
+                self._serving = serving
+                status = health_pb2.HealthCheckResponse.SERVING if serving else \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in ["", *self._service_names]:
+                    self.health.set(name, status)
 
     def add_front(self, front: Front) -> None:
         """Start `front` once gRPC serves; stop it (no new requests) when shutdown begins."""
@@ -98,8 +124,8 @@ class GrpcDaemon:
         self.server.start()
         for front in self._fronts:
             front.start()
-        for name in ["", *service_names]:
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._service_names, self.server_started = service_names, True
+        self._publish_health(always=True)  # the health servicer starts out saying SERVING
         log = logging.getLogger("daemon")
         log.info("serving", extra={"fields": {"address": f"{self.address.rsplit(':', 1)[0]}:{self.port}",
                                               "metrics_port": metrics_port}})
@@ -107,8 +133,10 @@ class GrpcDaemon:
             signal.signal(sig, lambda *_: self._stop.set())
         self._stop.wait()
         log.info("shutting down: draining in-flight requests")
-        self.health.enter_graceful_shutdown()
-        self.draining.set()
+        with self._health_lock:
+            self.draining.set()
+            self._serving = False
+            self.health.enter_graceful_shutdown()
         for front in self._fronts:
             front.stop()
         started = time.monotonic()
@@ -133,7 +161,11 @@ def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], ob
     placement.apply(config.cpus, config.threads, config.nice)
     heap.keep_freed_buffers()
     daemon = GrpcDaemon(config.host, config.port, config.tls)
-    node = placement.in_passing_thread(start, daemon, config)
+    try:
+        node = placement.in_passing_thread(start, daemon, config)
+    except ValueError as exc:  # a setting the node cannot start with (a taken or malformed endpoint, ...)
+        logging.getLogger("daemon").error("cannot start: %s", exc)
+        return 2
     placement.serialize_other_threads()
     trace_file = TraceFileWriter(node.tracer, config.trace) if config.trace is not None else None
 

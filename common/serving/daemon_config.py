@@ -60,6 +60,9 @@ class DaemonConfig:
     tls_ca: Path | None = None  # set: mutual TLS, peers must present a certificate signed by it
     trace: Path | None = None  # write the request traces here as Chrome trace-event JSON
     trace_requests: int = 1000  # recent requests whose trace events are kept
+    kv_events_endpoint: str = ""  # ZMQ PUB endpoint of vLLM-format KV events (common/serving/kv_events_zmq.py)
+    kv_events_topic: str = ""  # default kv@<advertise host>:<HTTP port, else gRPC port>@<served model name>
+    kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering replays
 
     @property
     def tls(self) -> TlsFiles:
@@ -98,6 +101,8 @@ class DaemonConfig:
             raise ValueError("--trace-requests must be >= 1")
         if not self.drain_seconds > 0:
             raise ValueError("--drain-seconds must be > 0")
+        if (self.kv_events_topic or self.kv_events_replay_endpoint) and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-topic and --kv-events-replay-endpoint need --kv-events-endpoint")
         self.tls.validate()
 
 
@@ -149,6 +154,14 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    "seconds and at shutdown; GetTrace serves them either way")
     p.add_argument("--trace-requests", type=int, default=d.trace_requests, metavar="N",
                    help="keep the trace events of the N most recent requests (default %(default)s)")
+    p.add_argument("--kv-events-endpoint", default="", metavar="tcp://HOST:PORT",
+                   help="publish the prefix cache's stores and removals as vLLM's KV events on this ZMQ PUB "
+                   "endpoint, for the inference gateway's prefix-cache scorer (README \"Behind the Kubernetes "
+                   "inference gateway\"; default: off)")
+    p.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="their topic (default: kv@<advertise host>:<HTTP port, else gRPC port>@<served model name>)")
+    p.add_argument("--kv-events-replay-endpoint", default="", metavar="tcp://HOST:PORT",
+                   help="answer replays of missed KV events from a sequence number on this ZMQ ROUTER endpoint")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 

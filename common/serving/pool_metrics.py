@@ -1,6 +1,8 @@
 """KV pool and prefix cache metrics every node exports, and the load it reports (GetLoad)."""
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -30,6 +32,44 @@ def register_pool_gauges(registry: CollectorRegistry, engine: Engine, compute_th
     Gauge("duet_compute_threads", "Threads the engine computes with now: its CPUs and CPU quota at most, fewer "
           "while neighbours hold some of those cores (common/engine/compute_threads.py)",
           registry=registry).set_function(compute_threads)
+
+
+USAGE_REFRESH_S = 0.2  # the KV usage gauge is recounted (under the engine lock) at most this often
+
+
+def register_gateway_gauges(registry: CollectorRegistry, engine: Engine, running: Callable[[], int],
+                            waiting: Callable[[], int]) -> None:
+    """What the Kubernetes inference gateway's endpoint picker scrapes from a pod, under the names it
+    reads by default (vLLM's): requests `running()` and `waiting()` (for admission or for their KV),
+    the share of the pool requests hold (0..1; pages only the prefix cache holds count as free, as
+    vLLM counts its cached blocks), and the pool's shape."""
+    pool, num_pages = engine.pool, engine.allocator.num_pages
+    Gauge("vllm:num_requests_running", "Requests decoding (or prefilling) on this node",
+          registry=registry).set_function(running)
+    Gauge("vllm:num_requests_waiting", "Requests waiting for admission or for their KV",
+          registry=registry).set_function(waiting)
+    Gauge("vllm:kv_cache_usage_perc", "Share of the KV pool's pages held by requests, 0 to 1",
+          registry=registry).set_function(_Throttled(lambda: read_locked(engine, lambda: 1 - (
+              engine.allocator.num_free + engine.prefix_cache.pages_held_only_here()) / num_pages)))
+    Gauge("vllm:cache_config_info", "The KV pool: 1, labelled with tokens per page and pages",
+          ["block_size", "num_gpu_blocks"], registry=registry).labels(
+        block_size=str(pool.page_size), num_gpu_blocks=str(num_pages)).set(1)
+
+
+class _Throttled:
+    """`read()`, computed again only when the last value is USAGE_REFRESH_S old (the picker
+    scrapes every 50 ms; the count takes the engine lock)."""
+
+    def __init__(self, read: Callable[[], float]) -> None:
+        self._read = read
+        self._lock = threading.Lock()
+        self._value, self._at = 0.0, float("-inf")
+
+    def __call__(self) -> float:
+        with self._lock:
+            if time.monotonic() - self._at >= USAGE_REFRESH_S:
+                self._value, self._at = self._read(), time.monotonic()
+            return self._value
 
 
 def prefix_hit_counter(registry: CollectorRegistry) -> Counter:
