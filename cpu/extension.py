@@ -57,8 +57,8 @@ def _compile_command(compiler: str, output: Path) -> list[str]:
 def library_path(compiler: str) -> Path:
     """Where the library built by `compiler` for these sources, torch and CPU is cached."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), torch.__version__.encode(), " ".join(FLAGS).encode(),
-                 compiler.encode(), _cpu_features().encode()):
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), torch.__version__.encode(),
+                 " ".join(FLAGS).encode(), compiler.encode(), _cpu_features().encode()):
         key.update(part)
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     return root / f"{LIBRARY}-{key.hexdigest()[:16]}" / f"lib{LIBRARY}.so"

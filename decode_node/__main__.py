@@ -26,7 +26,8 @@ def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
     front = None
     if config.openai_port is not None:
         gateway = GatewayRoutes(ready=lambda: daemon.serving and not node.draining, registry=node.metrics.registry,
-                                tokenizer=node.tokenizer, max_model_len=node.engine.model.config.max_position_embeddings)
+                                tokenizer=node.tokenizer,
+                                max_model_len=node.engine.model.config.max_position_embeddings)
         front = attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model,
                                     config.api_key, config.tool_call_parser, gateway)
     attach_kv_event_publisher(daemon, config, node.engine.kv_events, front.port if front else daemon.port,

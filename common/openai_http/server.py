@@ -183,7 +183,8 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as exc:
             self._send_error(exc)
             return
-        call = self.front.stub.Generate(request.generate, metadata=prefiller_metadata(self.headers.get(PREFILLER_HEADER)))
+        metadata = prefiller_metadata(self.headers.get(PREFILLER_HEADER))
+        call = self.front.stub.Generate(request.generate, metadata=metadata)
         answered = threading.Event()
         threading.Thread(target=_cancel_when_client_leaves, args=(self.connection, call, answered),
                          name="openai-http-watch", daemon=True).start()
