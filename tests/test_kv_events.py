@@ -137,3 +137,5 @@ def test_the_zmq_publisher_chains_stored_blocks_and_answers_replays():
         context.term()
     with pytest.raises(ValueError, match="--kv-events-endpoint"):
         KvEventPublisher(log, "nonsense://x", "t", "CPU")
+    with pytest.raises(ValueError, match="--kv-events-replay-endpoint"):  # the PUB socket opened is closed
+        KvEventPublisher(log, f"tcp://127.0.0.1:{free_port()}", "t", "CPU", "nonsense://x")

@@ -68,9 +68,14 @@ class KvEventPublisher:
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=KEPT_MESSAGES)
         self._stop = threading.Event()
         self._context = zmq.Context()
-        self._pub = self._open(zmq.PUB, endpoint, "--kv-events-endpoint", bind=binds(endpoint))
-        self._replay = self._open(zmq.ROUTER, replay_endpoint, "--kv-events-replay-endpoint", bind=True) \
-            if replay_endpoint else None
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub = self._open(zmq.PUB, endpoint, "--kv-events-endpoint", bind=binds(endpoint))
+            if replay_endpoint:
+                self._replay = self._open(zmq.ROUTER, replay_endpoint, "--kv-events-replay-endpoint", bind=True)
+        except ValueError:
+            self._context.destroy(linger=0)  # closes the socket already opened
+            raise
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
 
     def _open(self, kind: int, endpoint: str, flag: str, bind: bool) -> zmq.Socket:
@@ -79,8 +84,6 @@ class KvEventPublisher:
         try:
             socket.bind(endpoint) if bind else socket.connect(endpoint)
         except zmq.ZMQError as exc:
-            socket.close()
-            self._context.term()
             raise ValueError(f"{flag} {endpoint!r}: {exc}") from None
         return socket
 
