@@ -13,6 +13,7 @@ as cuda/paged_kv_ops.cpp does). A failed build is not an error: :func:`kernels` 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -139,6 +140,7 @@ def has_bf16_prefill_attention(ops: object) -> bool:
     return hasattr(ops, "bf16_prefill_attention")
 
 
+@functools.cache
 def bf16_prefill_attention_uses_amx(ops: object) -> bool:
     """Whether `bf16_prefill_attention` takes its AMX path in this process (as for `bf16_linear`:
     built for AMX and granted the tiles); decided once, since the two paths round differently."""

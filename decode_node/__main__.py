@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from common.model.default_model import default_model_path
 from common.openai_http import attach_openai_front, served_model_name
 from common.openai_http.gateway_routes import GatewayRoutes
 from common.serving.daemon import GrpcDaemon, run_node
@@ -31,7 +30,7 @@ def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
         front = attach_openai_front(daemon, config.tls, config.openai_port, config.served_model_name, config.model,
                                     config.api_key, config.tool_call_parser, gateway)
     attach_kv_event_publisher(daemon, config, node.engine.kv_events, front.port if front else daemon.port,
-                              front.model_name if front else served_model_name(config.model or default_model_path()))
+                              front.model_name if front else served_model_name(config.model))
     return node
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from common.model.default_model import default_model_path
 from common.openai_http import served_model_name
 from common.serving.daemon import GrpcDaemon, run_node
 from common.serving.kv_events_zmq import attach_kv_event_publisher
@@ -19,7 +18,7 @@ def start(daemon: GrpcDaemon, config: PrefillNodeConfig) -> PrefillNode:
                                                         attention_sinks=config.attention_sinks, dtype_flag=config.dtype)[0])
     duet_pb2_grpc.add_PrefillNodeServicer_to_server(PrefillNodeService(node, daemon.draining), daemon.server)
     attach_kv_event_publisher(daemon, config, node.engine.kv_events, daemon.port,
-                              served_model_name(config.model or default_model_path()))
+                              served_model_name(config.model))
     return node
 
 

@@ -37,6 +37,8 @@ def test_defaults():
     (["--verify-kv", "maybe"], "invalid choice"),
     (["--drain-to", "no-port"], "--drain-to"),
     (["--drain-to", "host:http"], "--drain-to"),
+    (["--kv-events-topic", "kv@x"], "--kv-events-endpoint"),
+    (["--kv-events-replay-endpoint", "tcp://*:5558"], "--kv-events-endpoint"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

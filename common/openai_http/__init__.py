@@ -48,10 +48,10 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
                         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks (default %(default)s)")
 
 
-def served_model_name(model: Path) -> str:
+def served_model_name(model: Path | None) -> str:
     """A model's public name: its Hugging Face directory's name, or its GGUF file's without the
-    quantisation suffix."""
-    model = Path(model)
+    quantisation suffix (None: the embedded default model's)."""
+    model = Path(model or default_model_path())
     if model.suffix.lower() != ".gguf":
         return model.name
     return _QUANT_SUFFIX.sub("", model.stem)
@@ -73,7 +73,7 @@ def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_nam
     loopback = "127.0.0.1" if host in _WILDCARD_HOSTS else host
     stub = duet_pb2_grpc.DecodeNodeStub(tls.channel(f"{loopback}:{daemon.port}"))
     names = (served_names,) if isinstance(served_names, str) else tuple(served_names)  # a config file's string
-    names = tuple(n for n in names if n) or (served_model_name(model or default_model_path()),)
+    names = tuple(n for n in names if n) or (served_model_name(model),)
     front = OpenAIFront(host, port, names, stub, https_context(tls) if tls.enabled else None,
                         ApiKeys.from_flags((api_keys,) if isinstance(api_keys, str) else api_keys), tool_call_parser,
                         gateway)

@@ -68,11 +68,10 @@ class GrpcDaemon:
         self._stop = threading.Event()
         self.draining = threading.Event()  # set when shutdown begins: long-lived streams end
         self._ready = True  # the daemon's own word (a router: it has a healthy decode node)
-        self._serving = False  # health says SERVING
         self._fronts: list[Front] = []
         self._service_names: list[str] = []
         self._health_lock = threading.Lock()
-        self.server_started = False
+        self._started = False
         self._before_stop: list[Callable[[], None]] = []
 
     def request_stop(self) -> None:
@@ -88,22 +87,21 @@ class GrpcDaemon:
     def serving(self) -> bool:
         """Whether health checks say SERVING now: serving started, shutdown not begun, and the
         daemon ready (`set_ready`)."""
-        return self._serving
+        return self._ready and self._started and not self.draining.is_set()
 
     def set_ready(self, ready: bool) -> None:
         """Whether the daemon can serve requests; health says SERVING only while it can."""
         self._ready = ready
         self._publish_health()
 
-    def _publish_health(self, always: bool = False) -> None:
+    def _publish_health(self) -> None:
         with self._health_lock:
-            serving = self._ready and self.server_started and not self.draining.is_set()
-            if serving != self._serving or always:
-                self._serving = serving
-                status = health_pb2.HealthCheckResponse.SERVING if serving else \
-                    health_pb2.HealthCheckResponse.NOT_SERVING
-                for name in ["", *self._service_names]:
-                    self.health.set(name, status)
+            if self.draining.is_set():
+                return  # the health servicer says NOT_SERVING for good
+            status = health_pb2.HealthCheckResponse.SERVING if self.serving else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ["", *self._service_names]:
+                self.health.set(name, status)
 
     def add_front(self, front: Front) -> None:
         """Start `front` once gRPC serves; stop it (no new requests) when shutdown begins."""
@@ -124,8 +122,8 @@ class GrpcDaemon:
         self.server.start()
         for front in self._fronts:
             front.start()
-        self._service_names, self.server_started = service_names, True
-        self._publish_health(always=True)  # the health servicer starts out saying SERVING
+        self._service_names, self._started = service_names, True
+        self._publish_health()
         log = logging.getLogger("daemon")
         log.info("serving", extra={"fields": {"address": f"{self.address.rsplit(':', 1)[0]}:{self.port}",
                                               "metrics_port": metrics_port}})
@@ -135,7 +133,6 @@ class GrpcDaemon:
         log.info("shutting down: draining in-flight requests")
         with self._health_lock:
             self.draining.set()
-            self._serving = False
             self.health.enter_graceful_shutdown()
         for front in self._fronts:
             front.stop()
