@@ -20,7 +20,7 @@ from common.engine.generation import Continuation, RequestHandle
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.model.tokenizer import Tokenizer
 from common.peers.hand_off import worth_remote
 from common.peers.kv_writer import KvWriter
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 WAITING_STATUSES = (Status.QUEUED, *HOLDING_RESERVATION)  # what vllm:num_requests_waiting counts
 
 class DecodeNode:
-    def __init__(self, config: DecodeNodeConfig, model: LlamaModel, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: DecodeNodeConfig, model: DecoderModel, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.engine = Engine(model, config.kv_pages, config.page_size)

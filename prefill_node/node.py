@@ -10,7 +10,7 @@ from common.daemon_limits import check_prompt, check_request_id
 from common.engine.core import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError
 from common.kv.segments import MetadataError, Segments, slot_range
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.peers.kv_writer import KvWriter
 from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import INCARNATION
@@ -25,7 +25,7 @@ from protos.duet.v1 import duet_pb2 as pb
 
 
 class PrefillNode:
-    def __init__(self, config: PrefillNodeConfig, model: LlamaModel) -> None:
+    def __init__(self, config: PrefillNodeConfig, model: DecoderModel) -> None:
         self.config = config
         self.engine = Engine(model, config.kv_pages, config.page_size)
         self.fingerprint = fingerprint_of(model, self.engine.pool)

@@ -54,7 +54,7 @@ import torch
 from common.engine.core import Engine
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.serving.dtype_choice import resolve_dtype
 
 PAGE_SIZE = 16
@@ -113,7 +113,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.
     return torch.randint(0, vocab, (batch, length), generator=gen)
 
 
-def prefill_ours(model: LlamaModel, prompt: list[int]) -> Timed:
+def prefill_ours(model: DecoderModel, prompt: list[int]) -> Timed:
     engine = Engine(model, num_pages=-(-len(prompt) // PAGE_SIZE) + 1, page_size=PAGE_SIZE)
     seq = engine.new_sequence("bench", prompt, use_prefix_cache=False)
 
@@ -129,7 +129,7 @@ def prefill_theirs(hf: torch.nn.Module, prompt: list[int]) -> Timed:
     return Timed(lambda: hf(ids, use_cache=True, logits_to_keep=1))
 
 
-def decode_ours(model: LlamaModel, batch: int, context: int, steps: int) -> Timed:
+def decode_ours(model: DecoderModel, batch: int, context: int, steps: int) -> Timed:
     """One-token steps for every sequence, each holding `context` positions of K/V already (zeros:
     a step's cost does not depend on the values); pages for `steps` more tokens reserved up front."""
     per_seq = -(-(context + steps) // PAGE_SIZE)
@@ -174,13 +174,13 @@ def decode_theirs(hf: torch.nn.Module, batch: int, context: int) -> Timed:
     return Timed(step)
 
 
-def kv_gib(model: LlamaModel, batch: int, context: int) -> float:
+def kv_gib(model: DecoderModel, batch: int, context: int) -> float:
     """GiB of K/V that one side holds for `batch` sequences of `context` positions."""
     cfg = model.config
     return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * model.embed.element_size() / 2**30
 
 
-def step_bytes(model: LlamaModel, batch: int, context: int) -> int:
+def step_bytes(model: DecoderModel, batch: int, context: int) -> int:
     """Bytes a decode step must read at least: every weight matrix once, and every sequence's K/V."""
     linears = [model.lm_head, *(layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down"))]
     weights = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
@@ -209,22 +209,22 @@ def available_gib() -> float:
         return float("inf")
 
 
-def load_models(dtype: torch.dtype) -> tuple[LlamaModel, torch.nn.Module]:
+def load_models(dtype: torch.dtype) -> tuple[DecoderModel, torch.nn.Module]:
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     path = default_model_path()
-    ours = LlamaModel(load_checkpoint(path), dtype=dtype)
+    ours = DecoderModel(load_checkpoint(path), dtype=dtype)
     with contextlib.redirect_stderr(io.StringIO()):  # the GGUF de-quantization progress bar
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return ours, hf.eval()
 
 
-def dtype_row(ours: LlamaModel, warmup: int, iters: int) -> Row:
+def dtype_row(ours: DecoderModel, warmup: int, iters: int) -> Row:
     """Our bf16 step against our fp32 step, paired like the ours/theirs rows."""
     context, bsz = DTYPE_CASE
-    fp32 = LlamaModel(load_checkpoint(default_model_path()))
+    fp32 = DecoderModel(load_checkpoint(default_model_path()))
     t16, t32, ratio = paired_medians(decode_ours(ours, bsz, context, warmup + iters),
                                      decode_ours(fp32, bsz, context, warmup + iters), warmup, iters)
     verdict = "PASS" if ratio <= DTYPE_GOAL else "MISS"

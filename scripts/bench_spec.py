@@ -31,7 +31,7 @@ from common.engine.scheduler import Scheduler
 from common.engine.speculative import SpeculativeConfig
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.model.tokenizer import Tokenizer, load_tokenizer
 from scripts.spec_prompts import copy_messages, free_messages
 
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     path = default_model_path()
-    model, tokenizer = LlamaModel(load_checkpoint(path)), load_tokenizer(path)
+    model, tokenizer = DecoderModel(load_checkpoint(path)), load_tokenizer(path)
     config = SpeculativeConfig("ngram", args.num_speculative_tokens, args.ngram_min, args.ngram_max)
     schedulers = {"plain": Scheduler(Engine(model, 1024, 16), tokenizer),
                   "spec": Scheduler(Engine(model, 1024, 16), tokenizer, speculative=config)}

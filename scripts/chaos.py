@@ -53,7 +53,7 @@ import torch
 
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import Daemon
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="duet-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # the daemons need the cores more
-    model: LlamaModel | None = None
+    model: DecoderModel | None = None
     references: dict[tuple[int, ...], list[int]] = {}
 
     def ref(ids: list[int], n: int) -> list[int]:
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes = Nodes(transport, log_dir)
         try:
             if model is None:  # loads while the daemons do
-                model = LlamaModel(load_checkpoint(default_model_path()))
+                model = DecoderModel(load_checkpoint(default_model_path()))
             nodes.ready()
             for i, cell in enumerate(cells):
                 index = CELLS.index(cell)

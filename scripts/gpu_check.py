@@ -52,7 +52,7 @@ from common.engine.core import Engine
 from common.kv.pool import KVPool
 from common.kv.segments import slot_range
 from common.model.default_model import default_model_path
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.model.tokenizer import Tokenizer, load_tokenizer
 from common.serving.model_loading import load_model_and_tokenizer
 from cuda import extension
@@ -228,7 +228,7 @@ class Reference:
         return None
 
 
-def prefill_logits(model: LlamaModel, ids: list[int], first_chunk: int | None = None) -> torch.Tensor:
+def prefill_logits(model: DecoderModel, ids: list[int], first_chunk: int | None = None) -> torch.Tensor:
     """Last-position logits of `ids`, prefilled in one chunk or as `first_chunk` positions and then
     the rest (a masked chunk over cached context, as after a prefix-cache hit)."""
     engine = Engine(model, num_pages=-(-len(ids) // PAGE_SIZE), page_size=PAGE_SIZE)

@@ -26,7 +26,7 @@ CATEGORIES = [
     ("idle (waiting for work)", "queue.py", "get"),
     ("idle (waiting for work)", "scheduler.py", "next_chunk"),
     ("engine: attention", "paged_attention.py", None),
-    ("engine: model forward (other)", "common/model/llama.py", "forward"),
+    ("engine: model forward (other)", "common/model/decoder.py", "forward"),
     ("engine: batch building", "common/engine/core.py", None),
     ("sampling", "common/engine/sampling.py", None),
     ("detokenization", "common/model/detokenizer.py", None),

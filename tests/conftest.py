@@ -6,7 +6,7 @@ import torch
 
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.model.tokenizer import load_tokenizer
 
 torch.manual_seed(0)
@@ -18,8 +18,8 @@ def model_path():
 
 
 @pytest.fixture(scope="session")
-def model(model_path) -> LlamaModel:
-    return LlamaModel(load_checkpoint(model_path))
+def model(model_path) -> DecoderModel:
+    return DecoderModel(load_checkpoint(model_path))
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +38,8 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="session")
-def model_bf16(model_path) -> LlamaModel:
-    return LlamaModel(load_checkpoint(model_path), dtype=torch.bfloat16)
+def model_bf16(model_path) -> DecoderModel:
+    return DecoderModel(load_checkpoint(model_path), dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

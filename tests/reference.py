@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.core import Engine
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 
 # Daemon flags of tests that compare tokens with the float32 references below (the daemons'
 # default, --dtype auto, is bfloat16 on CPUs with AVX512-BF16 or AMX).
@@ -38,7 +38,7 @@ def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
     return tokens
 
 
-def engine_greedy(model: LlamaModel, prompt: list[int], num_tokens: int, page_size: int = 16) -> list[int]:
+def engine_greedy(model: DecoderModel, prompt: list[int], num_tokens: int, page_size: int = 16) -> list[int]:
     """Greedy continuation with our engine: one prefill, then single-token decode steps."""
     engine = Engine(model, num_pages=-(-(len(prompt) + num_tokens) // page_size) + 1, page_size=page_size)
     seq = engine.new_sequence("ref", prompt, use_prefix_cache=False)

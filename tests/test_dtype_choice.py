@@ -65,7 +65,7 @@ def test_config_resolves_auto(monkeypatch):
 
 
 def test_dtype_in_fingerprint_and_info_gauge(model, model_bf16):
-    # The session's models (tests/conftest.py): LlamaModel(load_checkpoint(path)) in float32 and bfloat16.
+    # The session's models (tests/conftest.py): DecoderModel(load_checkpoint(path)) in float32 and bfloat16.
     engines = {d: Engine(m, num_pages=4, page_size=16) for d, m in (("float32", model), ("bfloat16", model_bf16))}
     assert {d: str(e.model.dtype) for d, e in engines.items()} == {"float32": "torch.float32",
                                                                    "bfloat16": "torch.bfloat16"}

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from common.model.checkpoint import load_checkpoint
-from common.model.llama import ForwardBatch, LlamaModel, SequenceSlice, grouped_query_attention
+from common.model.decoder import ForwardBatch, DecoderModel, SequenceSlice, grouped_query_attention
 from tests.reference import REFERENCE_PROMPTS as PROMPTS
 from tests.reference import engine_greedy, hf_greedy
 
 
-def full_logits(model: LlamaModel, ids: list[int], scatter: bool = True) -> torch.Tensor:
+def full_logits(model: DecoderModel, ids: list[int], scatter: bool = True) -> torch.Tensor:
     """Logits at every position from one prefill whose K/V land on scattered slots."""
     n = len(ids)
     pool = model.new_pool(num_pages=-(-n // 16) * 2, page_size=16)
@@ -63,7 +63,7 @@ def test_tiny_random_hf_models(kind, tmp_path):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
     hf.save_pretrained(tmp_path)
-    model = LlamaModel(load_checkpoint(tmp_path))
+    model = DecoderModel(load_checkpoint(tmp_path))
     assert model.config.architecture == {"llama3-rope": "llama"}.get(kind, kind)
     ids = torch.randint(0, 320, (150,)).tolist()  # longer than original_max_position_embeddings
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("window", [None, 40], ids=["after-cached-prefix", "sliding-window"])
 def test_grouped_query_attention_equals_enable_gqa(window):
-    """The CUDA path for masked GQA chunks (common.model.llama.grouped_query_attention) computes what
+    """The CUDA path for masked GQA chunks (common.model.decoder.grouped_query_attention) computes what
     `enable_gqa=True` does; checked on the CPU, where both run."""
     g = torch.Generator().manual_seed(3)
     n, context, nh, kvh, hd = 37, 100, 9, 3, 64

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.core import Engine
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.serving.dtype_choice import cpu_flags
 from cpu import extension
 
@@ -81,7 +81,7 @@ def test_refuses_what_it_was_not_built_for() -> None:
         _kernel(q.float(), k.float(), v.float())
 
 
-def test_engine_prefills_the_same_bits_in_chunks_as_in_one_piece(model_bf16: LlamaModel) -> None:
+def test_engine_prefills_the_same_bits_in_chunks_as_in_one_piece(model_bf16: DecoderModel) -> None:
     """What a prefill node computes for a whole prompt, a colocated node computes chunk by chunk:
     every layer's K/V and the last position's logits, bit for bit."""
     prompt = torch.randint(0, model_bf16.config.vocab_size, (150,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -20,7 +20,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.model.checkpoint import Checkpoint, load_checkpoint
 from common.model.hf_loader import _config
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from tests.helpers import greedy, random_ids, started_pair
@@ -99,7 +99,7 @@ def test_chunked_prefill_and_decode_match_transformers(mistral_dir, hf):
         full = transformers.AutoModelForCausalLM.from_pretrained(
             mistral_dir, attn_implementation="eager", sliding_window=None).eval()(torch.tensor([ids])).logits[0]
     assert float((reference - full).abs().max()) > 1.0  # the window changes this model's output
-    ours, most = _teacher_forced(Engine(LlamaModel(load_checkpoint(mistral_dir)), 16, PAGE), ids, PROMPT, chunk=24)
+    ours, most = _teacher_forced(Engine(DecoderModel(load_checkpoint(mistral_dir)), 16, PAGE), ids, PROMPT, chunk=24)
     assert _max_error(ours, reference) < 1e-3
     assert most <= WINDOW_PAGES
 
@@ -113,7 +113,7 @@ def test_attention_sinks_match_a_dense_masked_reference(mistral_dir, hf):
         reference = hf(torch.tensor([ids]), attention_mask=mask).logits[0]
         no_sinks = hf(torch.tensor([ids])).logits[0]
     assert float((reference - no_sinks).abs().max()) > 1.0  # the sinks change this model's output
-    model = LlamaModel(with_attention_sinks(load_checkpoint(mistral_dir), SINKS))
+    model = DecoderModel(with_attention_sinks(load_checkpoint(mistral_dir), SINKS))
     ours, most = _teacher_forced(Engine(model, 16, PAGE), ids, PROMPT, chunk=24)
     assert _max_error(ours, reference) < 1e-3
     assert most <= WINDOW_PAGES + math.ceil(SINKS / PAGE)
@@ -122,7 +122,7 @@ def test_attention_sinks_match_a_dense_masked_reference(mistral_dir, hf):
 def test_decode_releases_pages_outside_the_window(mistral_dir, hf):
     """Through the scheduler, in a pool too small for the whole sequence: the freed pages are
     reused, each returned once, and none is held when the request ends."""
-    model = LlamaModel(load_checkpoint(mistral_dir))
+    model = DecoderModel(load_checkpoint(mistral_dir))
     num_pages = WINDOW_PAGES + 2  # room for a prefill chunk, far from the 10 pages of 160 positions
     engine = Engine(model, num_pages, PAGE)
     held: list[int] = []
@@ -157,7 +157,7 @@ def test_decode_releases_pages_outside_the_window(mistral_dir, hf):
 def test_receive_begin_skips_to_the_window(mistral_dir):
     """A receiver of a long prompt reserves only the window's pages; uncached sinks make it
     receive everything from its cached prefix on, cached sinks let it skip again."""
-    model = LlamaModel(with_attention_sinks(load_checkpoint(mistral_dir), SINKS))
+    model = DecoderModel(with_attention_sinks(load_checkpoint(mistral_dir), SINKS))
     engine = Engine(model, 32, PAGE)
     prompt = random_ids(PROMPT, 4, low=3, high=VOCAB)
     cold = engine.new_sequence("cold", prompt)

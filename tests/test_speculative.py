@@ -13,7 +13,7 @@ from common.engine.sampling import Draw, SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
 from common.model.checkpoint import load_checkpoint
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
 from tests.helpers import random_ids
@@ -252,7 +252,7 @@ def test_grammar_masks_apply_per_accepted_position(make_pair, tokenizer, model):
 def test_sliding_window_model_releases_pages_and_matches_transformers(mistral_dir, hf):
     """Drafts on a sliding-window model in a pool that holds only the window: rejected pages
     come back, out-of-window pages are released as without speculation, output is exact."""
-    model = LlamaModel(load_checkpoint(mistral_dir))
+    model = DecoderModel(load_checkpoint(mistral_dir))
     num_pages = WINDOW_PAGES + 3  # the window, a prefill chunk and a draft's pages
     engine = Engine(model, num_pages, PAGE)
     scheduler = Scheduler(engine, load_tokenizer(mistral_dir), max_batch_tokens=24, speculative=NGRAM)

@@ -29,7 +29,7 @@ from common.kv.page_allocator import PageAllocator
 from common.kv.pool import KVPool
 from common.kv.prefix_cache import PrefixCache
 from common.kv.segments import RELEASED, slot_range, slots_at
-from common.model.llama import ForwardBatch, LlamaModel, SequenceSlice
+from common.model.decoder import ForwardBatch, DecoderModel, SequenceSlice
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,7 +65,7 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, num_pages: int, page_size: int) -> None:
+    def __init__(self, model: DecoderModel, num_pages: int, page_size: int) -> None:
         self.model = model
         self.pool: KVPool = model.new_pool(num_pages, page_size)
         self.lock = threading.RLock()

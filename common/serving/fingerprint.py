@@ -3,13 +3,13 @@ node that agrees on every field."""
 from __future__ import annotations
 
 from common.kv.pool import LAYOUT_VERSION, KVPool
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from protos.duet.v1 import duet_pb2 as pb
 
 _FIELDS = ("model_hash", "dtype", "num_layers", "num_kv_heads", "head_dim", "page_size", "layout_version")
 
 
-def fingerprint_of(model: LlamaModel, pool: KVPool) -> pb.CompatibilityFingerprint:
+def fingerprint_of(model: DecoderModel, pool: KVPool) -> pb.CompatibilityFingerprint:
     return pb.CompatibilityFingerprint(
         model_hash=model.model_hash, dtype=str(pool.dtype).removeprefix("torch."),
         num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,

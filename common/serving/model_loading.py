@@ -10,7 +10,7 @@ import torch
 from common.engine.attention_window import with_attention_sinks
 from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 from common.model.tokenizer import Tokenizer, load_tokenizer
 from common.serving.dtype_choice import CPU_BF16_FLAGS, emulated_bf16
 
@@ -19,11 +19,11 @@ log = logging.getLogger(__name__)
 
 def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float32,
                              device: str = "cpu", attention_sinks: int = 0,
-                             dtype_flag: str | None = None) -> tuple[LlamaModel, Tokenizer]:
+                             dtype_flag: str | None = None) -> tuple[DecoderModel, Tokenizer]:
     """`dtype_flag`, when given, is the `--dtype` that chose `dtype` (logged beside it)."""
     path = path or default_model_path()
     started = time.monotonic()
-    model = LlamaModel(with_attention_sinks(load_checkpoint(path), attention_sinks), dtype=dtype, device=device)
+    model = DecoderModel(with_attention_sinks(load_checkpoint(path), attention_sinks), dtype=dtype, device=device)
     tokenizer = load_tokenizer(path)
     dtype_name = str(dtype).removeprefix("torch.")
     log.info("model loaded", extra={"fields": {

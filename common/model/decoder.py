@@ -18,7 +18,7 @@ from common.model.packed_linear import Linear
 from common.model.paged_attention import AttentionPlan, SequenceSlice, attend, grouped_query_attention, kernel_enabled
 from cpu import extension as cpu_extension
 
-__all__ = ["ForwardBatch", "LlamaModel", "SequenceSlice", "grouped_query_attention"]  # the last two: re-exported
+__all__ = ["ForwardBatch", "DecoderModel", "SequenceSlice", "grouped_query_attention"]  # the last two: re-exported
 
 
 @dataclass
@@ -45,7 +45,7 @@ def _rope_table(f, angles: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return f(angles.double()).to(dtype)
 
 
-class LlamaModel:
+class DecoderModel:
     """Inference-only weights and forward; parameters are fused (QKV, gate+up) for speed."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
