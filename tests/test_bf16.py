@@ -87,7 +87,7 @@ def test_bf16_rope_tables_are_correctly_rounded(model_bf16):
     reference: the same bits in every process (torch's float32 cos, rounded to bf16, differed
     from this at 2 of 524288 entries, and between processes)."""
     positions = torch.arange(model_bf16.config.max_position_embeddings, dtype=torch.float32)
-    angles = torch.outer(positions, model_bf16.config.rope_inv_freq()).numpy().astype(np.float64)
+    angles = torch.outer(positions, model_bf16.config.rope()[0]).numpy().astype(np.float64)
     angles = np.concatenate([angles, angles], axis=-1)
     for table, f in ((model_bf16.rope_cos, np.cos), (model_bf16.rope_sin, np.sin)):
         assert torch.equal(table, torch.from_numpy(f(angles)).to(torch.bfloat16))

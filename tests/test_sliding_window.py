@@ -85,8 +85,8 @@ def test_window_read_from_config(mistral_dir):
     qwen = {**raw, "model_type": "qwen2", "use_sliding_window": True}
     assert _config({**qwen, "max_window_layers": 0}).sliding_window == WINDOW
     assert _config({**qwen, "use_sliding_window": False}).sliding_window is None
-    with pytest.raises(ValueError, match="mix sliding-window and full attention"):
-        _config({**qwen, "max_window_layers": 1})
+    hybrid = _config({**qwen, "max_window_layers": 1})  # layer 0 full, layer 1 sliding: the pages stay
+    assert (hybrid.sliding_window, hybrid.layer_windows) == (None, (None, WINDOW))
     windowless = Checkpoint(_config({**raw, "sliding_window": None}), {}, "hash", mistral_dir)
     with pytest.raises(ValueError, match="--attention-sinks 2: attention sinks need a sliding-window model"):
         with_attention_sinks(windowless, 2)

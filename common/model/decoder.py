@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) with paged attention.
+"""The decoder of every family in common/model/family.py, with paged attention.
 
 Attention reads and writes K/V only through slot indices of a `KVPool`; no per-sequence
 contiguous cache exists. One forward can mix sequences that are prefilling a chunk and
@@ -14,8 +14,11 @@ import torch.nn.functional as F
 
 from common.kv.pool import KVPool
 from common.model.checkpoint import Checkpoint
+from common.model.family import family_of
+from common.model.mlp import GatedMlp, MixtureOfExperts
 from common.model.packed_linear import Linear
-from common.model.paged_attention import AttentionPlan, SequenceSlice, attend, grouped_query_attention, kernel_enabled
+from common.model.paged_attention import (AttentionPlan, SequenceSlice, attend, grouped_query_attention, kernel_enabled,
+                                          within_window)
 from cpu import extension as cpu_extension
 
 __all__ = ["ForwardBatch", "DecoderModel", "SequenceSlice", "grouped_query_attention"]  # the last two: re-exported
@@ -33,23 +36,26 @@ class ForwardBatch:
         return torch.cat([s.context_slots[s.context_len - s.num_new :] for s in self.slices])
 
 
-def _rope_table(f, angles: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cos or sin of the float32 `angles`, in `dtype`. float32 keeps torch's float32 functions
+def _rope_table(f, angles: torch.Tensor, dtype: torch.dtype, factor: float = 1.0) -> torch.Tensor:
+    """cos or sin of the float32 `angles` times `factor` (YaRN's), in `dtype`. float32 keeps torch's float32 functions
     (what transformers computes, token for token). Below float32 the value is taken in float64
     and rounded once: torch's float32 cos over this table did not give the same bits in every
     process (in about 1 in 20 processes on a loaded 2-core AMX machine some entries differed,
     and a bf16 stream then parted from another node's at a near-tie), while a float64 value's
     last-bit noise never reaches a bf16 rounding."""
     if dtype == torch.float32:
-        return f(angles)
-    return f(angles.double()).to(dtype)
+        return f(angles) * factor if factor != 1.0 else f(angles)
+    return (f(angles.double()) * factor).to(dtype)
 
 
 class DecoderModel:
-    """Inference-only weights and forward; parameters are fused (QKV, gate+up) for speed."""
+    """Inference-only weights and forward; parameters are fused (QKV, gate+up) for speed. What the
+    family changes (norm placement and style, q/k norms, activation, experts, scales, soft-capping,
+    windows per layer) is read from its declaration (common/model/family.py) and config."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         cfg = self.config = ckpt.config
+        family = self.family = family_of(cfg.architecture)
         self.model_hash = ckpt.model_hash
         self.dtype, self.device = dtype, torch.device(device)
         w = ckpt.tensors
@@ -59,67 +65,133 @@ class DecoderModel:
             # would leave the unfused copies as cached blocks the KV pool cannot reuse.
             return t.to(device=device, dtype=dtype)
 
+        def norm(name: str) -> torch.Tensor:
+            if not family.norm_weight_in_float32:
+                return put(w[name])
+            # The weight as the model dtype holds it, applied in float32 (plus Gemma's offset).
+            return w[name].to(dtype).float().to(device) + family.norm_weight_offset
+
+        def linear(name: str) -> Linear:
+            bias = w.get(f"{name}.bias")
+            return Linear(put(w[f"{name}.weight"]), None if bias is None else put(bias))
+
+        def gated(p: str) -> GatedMlp:
+            bias = [w.get(f"{p}{n}_proj.bias") for n in ("gate", "up")]
+            gate_up = Linear(put(torch.cat([w[f"{p}gate_proj.weight"], w[f"{p}up_proj.weight"]])),
+                             None if bias[0] is None else put(torch.cat(bias)))
+            return GatedMlp(gate_up, linear(f"{p}down_proj"), family.activation, cfg.moe)
+
         self.embed = put(w["model.embed_tokens.weight"])
-        self.norm = put(w["model.norm.weight"])
+        # Gemma's factor is rounded to the model dtype first, as transformers does.
+        self.embedding_multiplier = (torch.tensor(cfg.embedding_multiplier, dtype=dtype).item()
+                                     if family.embedding_scale else cfg.embedding_multiplier)
+        self.norm = norm("model.norm.weight")
         # Tied: the packed copy costs the embedding's size again (113 MB for SmolLM2-135M), for the
         # largest product of every step.
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else put(w["lm_head.weight"]))
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            attn = [w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
-            bias = None
-            if cfg.attention_bias:
-                bias = put(torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]))
-            self.layers.append({
-                "in_norm": put(w[f"{p}input_layernorm.weight"]),
-                "qkv": Linear(put(torch.cat(attn)), bias),
-                "o": Linear(put(w[f"{p}self_attn.o_proj.weight"])),
-                "post_norm": put(w[f"{p}post_attention_layernorm.weight"]),
-                "gate_up": Linear(put(torch.cat([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]]))),
-                "down": Linear(put(w[f"{p}mlp.down_proj.weight"])),
-            })
-        angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), cfg.rope_inv_freq())
-        angles = torch.cat([angles, angles], dim=-1)
-        self.rope_cos, self.rope_sin = (_rope_table(f, angles, dtype).to(device) for f in (torch.cos, torch.sin))
+            qkv_bias = [w.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+            layer = {
+                "qkv": Linear(put(torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])),
+                              None if qkv_bias[0] is None else put(torch.cat(qkv_bias))),
+                "o": linear(f"{p}self_attn.o_proj"),
+                "window": cfg.window_of(i),
+            }
+            layer |= {role: norm(f"{p}{name}.weight") for role, name in family.norms.items()}
+            if family.qk_norm is not None:
+                layer |= {"q_norm": norm(f"{p}self_attn.q_norm.weight"), "k_norm": norm(f"{p}self_attn.k_norm.weight")}
+            if f"{p}self_attn.sinks" in w:  # gpt-oss: a learned logit per head that takes a share of the softmax
+                layer["sinks"] = w[f"{p}self_attn.sinks"].float().to(device)
+            if cfg.moe is not None and i not in cfg.moe.dense_layers:
+                experts = [gated(f"{p}mlp.experts.{e}.") for e in range(cfg.moe.num_experts)]
+                layer["mlp"] = MixtureOfExperts(linear(f"{p}mlp.gate"), experts, cfg.moe, family.routing)
+            else:
+                layer["mlp"] = gated(f"{p}mlp.")
+            self.layers.append(layer)
+        self.attention_scale = cfg.attention_scale or cfg.head_dim**-0.5
+        # Soft-capped scores and sinks are computed as transformers' eager attention does.
+        self.eager_attention = cfg.attention_softcap is not None or any("sinks" in layer for layer in self.layers)
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        self.rope_tables = {}  # sliding or not -> (cos, sin) `[positions, rotary_dim]`
+        for sliding in {False, cfg.sliding_rope_theta is not None}:
+            inv_freq, factor = cfg.rope(sliding)
+            angles = torch.outer(positions, inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)
+            self.rope_tables[sliding] = tuple(_rope_table(f, angles, dtype, factor).to(device)
+                                              for f in (torch.cos, torch.sin))
         # Read K/V in place with the CPU kernel when it builds (common/model/paged_attention.py).
-        self.attention_kernel = kernel_enabled(self.device, dtype)
+        self.attention_kernel = kernel_enabled(self.device, dtype) and not self.eager_attention
         # A bf16 CPU layer's RMSNorm and RoPE as one call each (cpu/bf16_pointwise.cpp), rounding as
         # the torch ops below do: at decode's few rows their dispatches cost more than their math.
-        self.pointwise = cpu_extension.kernels() if self.device.type == "cpu" and dtype == torch.bfloat16 else None
+        bf16_cpu = self.device.type == "cpu" and dtype == torch.bfloat16
+        self.pointwise = cpu_extension.kernels() if bf16_cpu else None
+        self.pointwise_norm = self.pointwise is not None and not family.norm_weight_in_float32
+        self.pointwise_rope = self.pointwise is not None and cfg.rotary_dim == cfg.head_dim
+
+    @property
+    def rope_cos(self) -> torch.Tensor:
+        """The full-attention layers' cos table (the one every layer of most models uses)."""
+        return self.rope_tables[False][0]
+
+    @property
+    def rope_sin(self) -> torch.Tensor:
+        return self.rope_tables[False][1]
 
     def new_pool(self, num_pages: int, page_size: int) -> KVPool:
         cfg = self.config
         return KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.pointwise is not None:
+        """RMSNorm over the last dimension, the weight applied as the family's norm does."""
+        eps = self.config.rms_norm_eps
+        if self.pointwise_norm and x.dim() == 2:
             out = torch.empty_like(x)
-            self.pointwise.rms_norm_bf16(x.contiguous(), weight, self.config.rms_norm_eps, out)
+            self.pointwise.rms_norm_bf16(x.contiguous(), weight, eps, out)
             return out
         if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
-        # Below float32 the statistics are taken in float32 and the weight applied after rounding
-        # back, in the order transformers' LlamaRMSNorm uses.
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.config.rms_norm_eps).to(x.dtype) * weight
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+        if weight.dtype == torch.float32:  # Gemma, OLMo 2, gpt-oss: the weight applied in float32, rounded once
+            return (normed * weight).to(x.dtype)
+        # Llama: the statistics taken in float32, the weight applied after rounding back.
+        return normed.to(x.dtype) * weight
 
-    def _split_rotated(self, qkv: torch.Tensor, positions: torch.Tensor,
-                       angles: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
-        """q `[T, nh, hd]` (contiguous: attention reads it as one block), k and v `[T, kvh, hd]`
-        of a fused QKV product, RoPE applied to q and k: by the bf16 kernel in place, or with
-        torch ops and `angles` (cos, sin at each position)."""
+    def _qkv(self, layer: dict, h: torch.Tensor, positions: torch.Tensor,
+             angles: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None) -> tuple[torch.Tensor, ...]:
+        """q `[T, nh, hd]` (contiguous: attention reads it as one block), k and v `[T, kvh, hd]`,
+        q/k normalised where the family does and rotated: by the bf16 kernel in place, or with
+        torch ops and `angles` (cos, sin at each position, per kind of layer)."""
         cfg = self.config
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = layer["qkv"](h)
         T = qkv.shape[0]
+        if "q_norm" in layer:
+            for width, first, norm in ((nh * hd, 0, layer["q_norm"]), (kvh * hd, nh * hd, layer["k_norm"])):
+                part = qkv[:, first : first + width]
+                shaped = part.reshape(-1, hd) if self.family.qk_norm == "head" else part
+                part.copy_(self._rms_norm(shaped, norm).view(T, width))
+        sliding = layer["window"] is not None and len(self.rope_tables) > 1
         if angles is None:
-            self.pointwise.rope_bf16_(qkv, positions, self.rope_cos, self.rope_sin, nh + kvh)
+            cos, sin = self.rope_tables[sliding]
+            self.pointwise.rope_bf16_(qkv, positions, cos, sin, nh + kvh)
         q = qkv[:, : nh * hd].view(T, nh, hd)
         k = qkv[:, nh * hd : (nh + kvh) * hd].view(T, kvh, hd)
         v = qkv[:, (nh + kvh) * hd :].view(T, kvh, hd)
         if angles is None:
             return q.contiguous(), k, v
-        cos, sin = angles
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        cos, sin = angles[sliding]
+        return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin), v
+
+    def _plans(self, batch: ForwardBatch) -> dict[int | None, AttentionPlan]:
+        """One attention plan per window the layers use (None: the batch's slices as given)."""
+        plans = {}
+        for window in {layer["window"] for layer in self.layers}:
+            slices = batch.slices if window is None or self.config.layer_windows is None else [
+                within_window(s, window) for s in batch.slices]
+            plans[window] = AttentionPlan(slices, self.device, self.attention_kernel, self.eager_attention)
+        return plans
 
     @torch.inference_mode()
     def forward(
@@ -136,32 +208,59 @@ class DecoderModel:
         """
         cfg = self.config
         nh, hd = cfg.num_heads, cfg.head_dim
-        plan = AttentionPlan(batch.slices, self.device, self.attention_kernel)
+        plans = self._plans(batch)
         write_slots = batch.write_slots.to(self.device)
         positions = batch.positions.to(self.device)
         # The torch path's rotation angles, gathered once for every layer (the kernel indexes them).
         angles = None
-        if self.pointwise is None:
-            angles = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        if not self.pointwise_rope:
+            angles = {kind: (cos[positions][:, None, :], sin[positions][:, None, :])
+                      for kind, (cos, sin) in self.rope_tables.items()}
         x = self.embed[batch.token_ids.to(self.device)]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         T = x.shape[0]
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["in_norm"])
-            q, k, v = self._split_rotated(layer["qkv"](h), positions, angles)
+            h = self._rms_norm(x, layer["attn_in"]) if "attn_in" in layer else x
+            q, k, v = self._qkv(layer, h, positions, angles)
             keys, values = pool.keys(i), pool.values(i)
             keys.index_copy_(0, write_slots, k)
             values.index_copy_(0, write_slots, v)
-            attn = attend(q, keys, values, plan)
-            x = x + layer["o"](attn.view(T, nh * hd))
-            h = self._rms_norm(x, layer["post_norm"])
-            gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-            x = x + layer["down"](F.silu(gate) * up)
+            attn = attend(q, keys, values, plans[layer["window"]], self.attention_scale, cfg.attention_softcap,
+                          layer.get("sinks"))
+            x = self._residual(x, layer["o"](attn.view(T, nh * hd)), layer.get("attn_out"))
+            h = self._rms_norm(x, layer["mlp_in"]) if "mlp_in" in layer else x
+            x = self._residual(x, layer["mlp"](h), layer.get("mlp_out"))
             if on_layer_done is not None:
                 on_layer_done(i)
         rows = batch.logit_rows.to(self.device)
         if not rows.numel():
             return torch.empty(0, cfg.vocab_size, device=self.device)
-        return self.lm_head(self._rms_norm(x[rows], self.norm)).float()
+        logits = self.lm_head(self._rms_norm(x[rows], self.norm)).float()
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """x plus a sub-layer's output, normalised first where the family does (Gemma, OLMo 2)
+        and scaled by the residual multiplier (Granite)."""
+        if norm is not None:
+            out = self._rms_norm(out, norm)
+        if self.config.residual_multiplier != 1.0:
+            out = out * self.config.residual_multiplier
+        return x + out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the leading `cos.shape[-1]` dimensions of each head (all of them but with a partial
+    rotary factor), rotate-half style."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated = x[..., :d] * cos + _rotate_half(x[..., :d]) * sin
+    return torch.cat([rotated, x[..., d:]], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

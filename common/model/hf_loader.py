@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory: config.json plus *.safetensors."""
+"""Load a Hugging Face model directory: config.json plus *.safetensors, of any family in
+common/model/family.py."""
 from __future__ import annotations
 
 import json
@@ -8,62 +9,102 @@ import torch
 from safetensors.torch import load_file
 
 from common.model.checkpoint import Checkpoint, hash_files
-from common.model.config import ModelConfig
+from common.model.config import ModelConfig, MoeConfig
+from common.model.family import canonical_tensors, family_of
 
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _rope(params: dict, fallback_theta: float) -> tuple[float, dict | None]:
+    """(theta, scaling or None) of one rope description, transformers 5's `rope_parameters` or 4.x's."""
+    rope = dict(params)
+    theta = float(rope.pop("rope_theta", fallback_theta))
+    rope.pop("partial_rotary_factor", None)
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = {}
+    return theta, rope or None
+
+
+def _ropes(raw: dict) -> dict:
+    """The full layers' rope and, where Gemma 3 gives them another, the sliding layers'."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = raw.get("rope_theta", 10000.0)
+    if FULL in params or SLIDING in params:  # transformers 5: one description per layer kind
+        full_theta, full_scaling = _rope(params.get(FULL, {}), theta)
+        local_theta, local_scaling = _rope(params.get(SLIDING, {}), theta)
+    else:
+        full_theta, full_scaling = _rope(params, theta)
+        local_theta, local_scaling = raw.get("rope_local_base_freq"), None  # transformers 4.x Gemma 3
+    out = {"rope_theta": full_theta, "rope_scaling": full_scaling}
+    if local_theta is not None and (local_theta, local_scaling) != (full_theta, full_scaling):
+        out |= {"sliding_rope_theta": float(local_theta), "sliding_rope_scaling": local_scaling}
+    partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    return out | ({} if partial is None else {"partial_rotary_factor": float(partial)})
+
+
+def _moe(raw: dict) -> MoeConfig | None:
+    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    if not experts:
+        return None
+    layers = raw["num_hidden_layers"]
+    step = raw.get("decoder_sparse_step", 1)  # Qwen3-MoE: every `step`-th layer is sparse, bar mlp_only_layers
+    dense = sorted(set(raw.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
+    return MoeConfig(
+        num_experts=experts, top_k=raw["num_experts_per_tok"],
+        intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+        normalize_top_k=raw.get("norm_topk_prob", True), dense_layers=tuple(dense),
+        swiglu_alpha=raw.get("swiglu_alpha", 1.702), swiglu_limit=raw.get("swiglu_limit", 7.0))
 
 
 def _config(raw: dict) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type not in _MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(_MODEL_TYPES)}")
-    # transformers 5 nests rope settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
-    if rope.get("rope_type", rope.get("type", "default")) == "default":
-        rope = {}
+    family = family_of(model_type)
     heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    scalar = raw.get("query_pre_attn_scalar")  # Gemma
+    windows = _layer_windows(raw)
+    uniform = None if windows is None or len(set(windows)) > 1 else windows[0]
     return ModelConfig(
-        architecture=_MODEL_TYPES[model_type],
+        architecture=model_type,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=raw["rms_norm_eps"],
-        rope_theta=float(theta),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        attention_bias=raw.get("attention_bias", model_type == "qwen2"),
-        rope_scaling=rope or None,
-        sliding_window=_sliding_window(raw),
+        attention_bias=raw.get("attention_bias", family.qkv_bias),
+        sliding_window=uniform,
+        layer_windows=windows if windows is not None and uniform is None else None,
+        attention_scale=raw.get("attention_multiplier") or (None if scalar is None else scalar**-0.5),
+        attention_softcap=raw.get("attn_logit_softcapping"),
+        final_logit_softcap=raw.get("final_logit_softcapping"),
+        embedding_multiplier=raw["hidden_size"] ** 0.5 if family.embedding_scale else raw.get("embedding_multiplier", 1.0),
+        residual_multiplier=raw.get("residual_multiplier", 1.0),
+        logits_divisor=raw.get("logits_scaling", 1.0),
+        moe=_moe(raw),
+        **_ropes(raw),
     )
 
 
-def _sliding_window(raw: dict) -> int | None:
-    """The window every layer uses, or None for full attention.
-
-    Mistral: `sliding_window` (null = full). Qwen2: only with `use_sliding_window`, and then only
-    layers from `max_window_layers` on slide (or those `layer_types` marks "sliding_attention");
-    a model whose layers differ is refused, since a page outside the window would still be read
-    by its full-attention layers. A window covering the whole context is full attention.
+def _layer_windows(raw: dict) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window (None: full attention), or None when no layer slides: the
+    layers `layer_types` marks "sliding_attention", else those the family's `sliding_layer` says
+    (every layer, as Mistral's, by default). A window covering the whole context is full attention.
     """
     window = raw.get("sliding_window")
-    if not window or not raw.get("use_sliding_window", raw.get("model_type") == "mistral"):
+    if not window or window >= raw.get("max_position_embeddings", 2048):
         return None
-    layers = raw["num_hidden_layers"]
-    kinds = set(raw.get("layer_types") or [])
-    if not kinds:
-        first_sliding = raw.get("max_window_layers", 0) if raw.get("model_type") == "qwen2" else 0
-        kinds = {"sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)}
-    if kinds == {"full_attention"}:
-        return None
-    if kinds != {"sliding_attention"}:
-        raise ValueError(f"layers mix sliding-window and full attention ({', '.join(sorted(kinds))}); only a "
-                         "window shared by every layer is supported")
-    return None if window >= raw.get("max_position_embeddings", 2048) else int(window)
+    family = family_of(raw.get("model_type"))
+    sliding = [kind == SLIDING for kind in raw.get("layer_types") or []]
+    if family.sliding_layer is not None and (not sliding or not raw.get("use_sliding_window", True)):
+        sliding = [family.sliding_layer(i, raw) for i in range(raw["num_hidden_layers"])]
+    elif not sliding:
+        sliding = [True] * raw["num_hidden_layers"]
+    return tuple(int(window) if s else None for s in sliding) if any(sliding) else None
 
 
 def load_hf_dir(path: str | Path) -> Checkpoint:
@@ -71,7 +112,8 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
-    config = _config(json.loads(config_file.read_text()))
+    raw = json.loads(config_file.read_text())
+    config = _config(raw)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files")
@@ -79,6 +121,9 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     for f in files:
         tensors.update({k: v.float() for k, v in load_file(f).items()})
     model_hash = hash_files(files)
-    if config.sliding_window is not None:  # the KV depends on it: nodes must agree (fingerprint)
+    # The KV depends on the windows: nodes must agree (the compatibility fingerprint compares the hash).
+    if config.sliding_window is not None:
         model_hash += f";sliding_window={config.sliding_window}"
-    return Checkpoint(config, tensors, model_hash, path)
+    if config.layer_windows is not None:
+        model_hash += f";layer_windows={','.join(str(w or 0) for w in config.layer_windows)}"
+    return Checkpoint(config, canonical_tensors(raw["model_type"], tensors, raw), model_hash, path)

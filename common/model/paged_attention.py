@@ -16,6 +16,10 @@ cpu/prefill_attention.cpp (on AMX tiles where the CPU has them: at 1000 tokens, 
 Rapids core, 6-11 ms a layer against SDPA's 8-12 and the AVX512-BF16 path's 22; and a row's
 result never depends on how its prompt was chunked), every other chunk to SDPA. A CUDA paged-attention kernel would join
 here the same way: a plan field for the sequences it takes and a branch in `attend`.
+
+A model whose scores are soft-capped (Gemma 2) or share the softmax with learned sinks (gpt-oss)
+takes a third, eager path for every sequence: the scores materialised in float32, as
+transformers' eager attention computes them.
 """
 from __future__ import annotations
 
@@ -76,16 +80,32 @@ class _KernelArgs:
         self.mask_at = torch.tensor(mask_at, dtype=torch.long)
 
 
+def within_window(s: SequenceSlice, window: int) -> SequenceSlice:
+    """A causal slice over its whole context as a layer with a sliding `window` attends it: a
+    query at position i reads keys in (i - window, i] (a hybrid model's sliding layers)."""
+    assert s.mask is None, "a slice with its own mask is already windowed"
+    first_query = s.context_len - s.num_new
+    low = max(0, first_query - window + 1)
+    keys = torch.arange(low, s.context_len)[None, :]
+    queries = torch.arange(first_query, s.context_len)[:, None]
+    return SequenceSlice(s.num_new, s.context_slots[low:], (keys <= queries) & (keys > queries - window))
+
+
 class AttentionPlan:
     """Index tensors shared by every layer of one forward. `offsets[i]` is the first row of
-    slice i's new tokens in the forward's `[T, ...]` activations."""
+    slice i's new tokens in the forward's `[T, ...]` activations. With `eager`, every slice goes
+    to the eager path (`self.eager`: first row, tokens, context slots, mask or None for causal)."""
 
-    def __init__(self, slices: Sequence[SequenceSlice], device: torch.device, use_kernel: bool) -> None:
+    def __init__(self, slices: Sequence[SequenceSlice], device: torch.device, use_kernel: bool,
+                 eager: bool = False) -> None:
         offsets, start = [], 0
         for s in slices:
             offsets.append(start)
             start += s.num_new
         pairs = list(zip(offsets, slices))
+        self.eager = [(o, s.num_new, s.context_slots.to(device), _causal_mask(s, device)) for o, s in pairs] if eager else None
+        if eager:
+            use_kernel, pairs = False, []
         taken = [(o, s) for o, s in pairs if use_kernel and s.num_new <= KERNEL_MAX_QUERIES]
         self.kernel = _KernelArgs(taken) if taken else None
         rest = [(o, s) for o, s in pairs if not (use_kernel and s.num_new <= KERNEL_MAX_QUERIES)]
@@ -119,27 +139,55 @@ def _causal_mask(s: SequenceSlice, device: torch.device) -> torch.Tensor | None:
     return torch.arange(s.context_len, device=device)[None, :] <= q_pos[:, None]
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+           scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`[T, nh, hd]` attention outputs of queries `q` `[T, nh, hd]` over one layer's pool
-    `keys`/`values` `[num_slots, kvh, hd]`."""
+    `keys`/`values` `[num_slots, kvh, hd]`; scores scaled by `scale` (default `hd ** -0.5`),
+    soft-capped at `softcap`, with a per-head sink logit `sinks` `[nh]` in the softmax (the
+    last two need a plan made with `eager`)."""
     out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if plan.eager is not None:
+        for start, n, slots, mask in plan.eager:
+            _attend_eager(q, keys, values, start, n, slots, mask, scale, softcap, sinks, out)
+        return out
+    assert softcap is None and sinks is None, "soft-capping and sinks need an eager plan"
     if plan.kernel is not None:
-        _attend_kernel(q, keys, values, plan.kernel, out)
+        _attend_kernel(q, keys, values, plan.kernel, scale, out)
     if plan.decode_rows.numel():
-        _attend_decode(q, keys, values, plan, out)
+        _attend_decode(q, keys, values, plan, scale, out)
     bf16_kernel = plan.prefill_kernel and q.dtype == torch.bfloat16 and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
     for start, n, slots, mask, causal in plan.prefill:
         if bf16_kernel and causal:
-            _attend_chunk_kernel(q, keys, values, start, n, slots, out, plan.prefill_amx)
+            _attend_chunk_kernel(q, keys, values, start, n, slots, scale, out, plan.prefill_amx)
         else:
-            _attend_chunk(q, keys, values, start, n, slots, mask, out)
+            _attend_chunk(q, keys, values, start, n, slots, mask, scale, out)
     return out
 
 
-def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, args: _KernelArgs,
+def _attend_eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, n: int,
+                  slots: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None,
+                  sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+    nh, kvh = q.shape[1], keys.shape[1]
+    k = keys.index_select(0, slots).transpose(0, 1).repeat_interleave(nh // kvh, dim=0)  # [nh, L, hd]
+    v = values.index_select(0, slots).transpose(0, 1).repeat_interleave(nh // kvh, dim=0)
+    scores = torch.matmul(q[start : start + n].transpose(0, 1).float(), k.float().transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # the sink takes its share of the softmax and contributes no value
+        scores = torch.cat([scores, sinks.view(nh, 1, 1).expand(nh, n, 1)], dim=-1)
+        probs = scores.softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    out[start : start + n] = torch.matmul(probs.to(v.dtype), v).transpose(0, 1)
+
+
+def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, args: _KernelArgs, scale: float,
                    out: torch.Tensor) -> None:
     ops = cpu_extension.kernels()
-    scale = q.shape[-1] ** -0.5
     if args.contiguous:  # the common case: the kernel writes its rows of `out` in place
         first, n = int(args.rows[0]), args.rows.numel()
         ops.paged_attention(q[first : first + n], keys, values, out[first : first + n], args.slots, args.seqs,
@@ -151,7 +199,7 @@ def _attend_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ar
     out[args.rows] = ok
 
 
-def _attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+def _attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan, scale: float,
                    out: torch.Tensor) -> None:
     nh, kvh, hd = q.shape[1], keys.shape[1], q.shape[2]
     b = plan.decode_rows.numel()
@@ -161,33 +209,35 @@ def _attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pl
     flat = plan.decode_slots.view(-1)
     kd = keys.index_select(0, flat).view(b, -1, kvh, hd).transpose(1, 2)
     vd = values.index_select(0, flat).view(b, -1, kvh, hd).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
     out[plan.decode_rows] = o.reshape(b, nh, hd)
 
 
 def _attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, n: int,
-                  slots: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor) -> None:
+                  slots: torch.Tensor, mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
     nh, kvh = q.shape[1], keys.shape[1]
     qp = q[start : start + n].transpose(0, 1)[None]
     kp = keys.index_select(0, slots).transpose(0, 1)[None]
     vp = values.index_select(0, slots).transpose(0, 1)[None]
     if mask is not None and qp.is_cuda and nh != kvh:
-        o = grouped_query_attention(qp, kp, vp, mask)
+        o = grouped_query_attention(qp, kp, vp, mask, scale)
     else:
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+                                           scale=scale)
     out[start : start + n] = o[0].transpose(0, 1)
 
 
 def _attend_chunk_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, n: int,
-                         slots: torch.Tensor, out: torch.Tensor, amx: bool) -> None:
+                         slots: torch.Tensor, scale: float, out: torch.Tensor, amx: bool) -> None:
     """A bfloat16 chunk over its causal context (cpu/prefill_attention.cpp); `q` and `out` are
     contiguous `[T, nh, hd]`, so their rows of the chunk are too."""
     cpu_extension.kernels().bf16_prefill_attention(q[start : start + n], keys.index_select(0, slots),
                                                    values.index_select(0, slots), out[start : start + n],
-                                                   q.shape[-1] ** -0.5, amx)
+                                                   scale, amx)
 
 
-def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                            scale: float | None = None) -> torch.Tensor:
     """Masked attention of `q` `[1, nh, n, hd]` over `k`, `v` `[1, kvh, L, hd]` with a `[n, L]`
     mask, as `enable_gqa=True` computes it, but with the query heads that share a KV head stacked
     along the sequence: `[1, kvh, group * n, hd]` against plain multi-head K/V.
@@ -200,5 +250,5 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     _, nh, n, hd = q.shape
     kvh = k.shape[1]
     stacked = q.reshape(1, kvh, nh // kvh * n, hd)  # head h = kv head h // group, as in transformers
-    o = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask.repeat(nh // kvh, 1))
+    o = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask.repeat(nh // kvh, 1), scale=scale)
     return o.view(1, nh, n, hd)
