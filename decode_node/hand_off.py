@@ -14,6 +14,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from common.daemon_limits import check_request_id
+from common.engine.attention_window import layer_skips
 from common.engine.core import Engine, Sequence
 from common.engine.generation import Continuation, RequestHandle
 from common.engine.sampling import SamplingParams
@@ -156,6 +157,8 @@ class HandOff:
 
     def _claim(self, entry: LiveRequest) -> None:
         r = entry.reservation
+        if r.prefix_matched < r.end:  # a writer moved [begin, end): a hybrid model's sliding layers got their window
+            r.seq.partial_kv_before = r.begin + max(layer_skips(self.engine.model.config, r.begin, r.end))
         r.seq.num_computed = max(r.prefix_matched, r.end)
         self.requests.move(entry, Status.RUNNING)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.daemon_limits import check_request_id
+from common.engine.attention_window import layer_skips
 from common.engine.core import Engine, Sequence
 from common.engine.generation import Chunk, Continuation
 from common.engine.scheduler import Detached, Scheduler
@@ -36,7 +37,7 @@ from common.peers.kv_writer import KvWriter
 from common.serving.incarnation import INCARNATION
 from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto
 from common.tracing import Tracer
-from common.transports.pieces import plan_pieces
+from common.transports.pieces import per_layer, plan_pieces
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import LiveRequest, RequestTable, Status
@@ -196,12 +197,13 @@ class Migrations:
         metadata = list(prep.kv_append_metadata)
         dst = Segments.from_wire(metadata, end - begin, num_slots=peer.info.num_slots)
         src = slot_range(seq.pages, self.engine.page_size, begin, end)
+        skips = layer_skips(self.engine.model.config, begin, end)
         job = self.writer.begin(peer, rid, prep.transfer_nonce, metadata, deadline)
         try:
-            pieces = plan_pieces(src, dst)
-            for layer in range(self.engine.pool.num_layers):
-                job.transfer.post_layer(layer, pieces)
-            self.writer.finish(job, src, deadline)
+            pieces = per_layer(skips, lambda skip: plan_pieces(src[skip:], dst.window(skip, end - begin)))
+            for layer, layer_pieces in enumerate(pieces):
+                job.transfer.post_layer(layer, layer_pieces)
+            self.writer.finish(job, src, deadline, skips)
         except BaseException:
             self.writer.fail(job)
             raise

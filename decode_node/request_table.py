@@ -81,6 +81,10 @@ class Reservation:
     deadline: float  # time.time() seconds
     transfer_started: float | None = None  # time.perf_counter() of the writer's first BeginTransfer
 
+    @property
+    def begin(self) -> int:
+        return self.end - self.segments.num_slots
+
 
 @dataclass(eq=False)
 class LiveRequest:

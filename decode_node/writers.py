@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
 from common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from common.serving.fingerprint import fingerprint_of, mismatch
@@ -27,10 +28,11 @@ from common.tracing import Tracer
 from common.transports import open_receiver
 from common.transports.checksum import first_mismatch, kv_checksums
 from common.transports.connector import WriteWindow
+from common.transports.pieces import transfer_bytes
 from common.transports.fences import WriteFences
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
-from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Status
+from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
 from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -153,20 +155,26 @@ class Writers:
             if not self._requests.holds_reservation(entry):
                 raise NotFound(f"no reservation {request_id!r}: it expired or was aborted during CompleteTransfer")
             if entry.status is not Status.RECEIVED:
-                pool = self.engine.pool
-                self._metrics.transfers.completed(r.segments.num_slots * 2 * pool.num_layers * pool.slot_bytes(),
+                nbytes = transfer_bytes(self.engine.pool, r.segments.num_slots, self._skips(r))
+                self._metrics.transfers.completed(nbytes,
                                                   time.perf_counter() - (r.transfer_started or time.perf_counter()),
                                                   len(r.segments))
                 self._requests.move(entry, Status.RECEIVED)
         self._tracer.event(request_id, "transfer_complete")
+
+    def _skips(self, r: Reservation) -> tuple[int, ...]:
+        """Per layer, the leading positions of the reservation its writer does not move."""
+        return layer_skips(self.engine.model.config, r.begin, r.end)
 
     def _verify(self, entry: LiveRequest, checksums: Seq[int]) -> None:
         """Raise DataLoss, putting the reservation back to wait for a writer, unless the slots
         hold what the writer says it sent."""
         if not checksums:
             raise InvalidArgument("kv_checksums are missing: this decode node verifies received KV (--verify-kv on)")
-        slots = torch.from_numpy(entry.reservation.segments.slots())
-        where = first_mismatch(self._checker.submit(kv_checksums, self.engine.pool, slots).result(), list(checksums))
+        r = entry.reservation
+        slots = torch.from_numpy(r.segments.slots())
+        ours = self._checker.submit(kv_checksums, self.engine.pool, slots, self._skips(r)).result()
+        where = first_mismatch(ours, list(checksums))
         if where is None:
             return
         self._metrics.transfers.failed("checksum")

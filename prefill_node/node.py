@@ -7,6 +7,7 @@ import uuid
 import grpc
 
 from common.daemon_limits import check_prompt, check_request_id
+from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError
 from common.kv.segments import MetadataError, Segments, slot_range
@@ -17,6 +18,7 @@ from common.serving.incarnation import INCARNATION
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
 from common.transports import open_sender
+from common.transports.pieces import transfer_bytes
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.faults import with_faults
 from prefill_node.metrics import PrefillMetrics
@@ -91,7 +93,8 @@ class PrefillNode:
         transfer.transfer = with_faults(transfer.transfer, self.engine.pool)
         with self.engine.lock:
             seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
-        job = PrefillJob(seq, begin, dst, transfer.transfer)
+        skips = layer_skips(self.engine.model.config, begin, end)
+        job = PrefillJob(seq, begin, dst, transfer.transfer, skips)
         cached = seq.num_computed
         self.metrics.prefix_hit_tokens.inc(cached)
         self.tracer.event(req.request_id, "prefix_matched", matched_tokens=cached, prompt_tokens=end)
@@ -105,7 +108,8 @@ class PrefillNode:
             prefilled = time.perf_counter()
             self.tracer.event(req.request_id, "prefilled", computed_tokens=end - cached)
             with self.tracer.span(req.request_id, "transfer_finished", tokens=end - begin):
-                self.writer.finish(transfer, slot_range(seq.pages, self.engine.page_size, begin, end), deadline)
+                self.writer.finish(transfer, slot_range(seq.pages, self.engine.page_size, begin, end), deadline,
+                                   skips)
             self.tracer.event(req.request_id, "completion_sent")
             ok = True
         except BaseException as exc:
@@ -117,8 +121,7 @@ class PrefillNode:
             self.scheduler.release(job, cache=ok)
         done = time.perf_counter()
         self.metrics.observe(end - cached, prefilled - started, done - started)
-        pool = self.engine.pool
-        nbytes = (end - begin) * 2 * pool.num_layers * pool.slot_bytes()
+        nbytes = transfer_bytes(self.engine.pool, end - begin, skips)
         self.metrics.transfers.completed(nbytes, done - (job.first_posted or prefilled), len(dst))
         return pb.RemoteSendResponse(
             tokens_sent=end - begin, tokens_computed=end - cached,

@@ -20,7 +20,7 @@ from common.kv.page_allocator import OutOfPages
 from common.kv.segments import Segments, slot_range
 from common.tracing import Tracer
 from common.transports.connector import Transfer
-from common.transports.pieces import Piece, plan_pieces
+from common.transports.pieces import Piece, per_layer, plan_pieces
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class PrefillJob:
     begin: int
     dst: Segments  # destination slots of positions [begin, end), on the receiving node
     session: Transfer
+    skips: tuple[int, ...]  # per layer, leading positions of [begin, end) it does not move (layer_skips)
     prefilled: threading.Event = field(default_factory=threading.Event)
     error: RequestError | None = None
     cancelled: bool = False
@@ -47,6 +48,10 @@ class PrefillJob:
             return []
         src = slot_range(self.seq.pages, engine.page_size, start, stop)
         return plan_pieces(src, self.dst.window(start - self.begin, stop - self.begin))
+
+    def layer_pieces(self, engine: Engine, start: int, stop: int) -> list[list[Piece]]:
+        """Per layer, the pieces moving positions `[start, stop)` of what that layer sends."""
+        return per_layer(self.skips, lambda skip: self.pieces(engine, max(start, self.begin + skip), stop))
 
 
 class PrefillScheduler(EngineLoop):
@@ -107,8 +112,7 @@ class PrefillScheduler(EngineLoop):
             self._waiting.pop(0)
             self._jobs.append(job)
             # Positions served by this node's prefix cache travel now, from the cached pages.
-            cached = job.pieces(self.engine, 0, job.seq.num_computed)
-            for layer in range(self.engine.pool.num_layers):
+            for layer, cached in enumerate(job.layer_pieces(self.engine, 0, job.seq.num_computed)):
                 self._trace_posted(job, layer, cached, source="prefix_cache")
                 job.session.post_layer(layer, cached)
 
@@ -123,7 +127,7 @@ class PrefillScheduler(EngineLoop):
                 n = min(job.seq.num_pending, budget)
                 if n == 0:
                     break
-                work.append((job, n, job.pieces(self.engine, job.seq.num_computed, job.seq.num_computed + n)))
+                work.append((job, n, job.layer_pieces(self.engine, job.seq.num_computed, job.seq.num_computed + n)))
                 budget -= n
             self._in_flight = [job for job, _, _ in work]
         if not work:
@@ -132,9 +136,9 @@ class PrefillScheduler(EngineLoop):
 
         def push(layer: int) -> None:
             for job, _, pieces in work:
-                if pieces:
-                    self._trace_posted(job, layer, pieces, source="forward")
-                    job.session.post_layer(layer, pieces)
+                if pieces[layer]:
+                    self._trace_posted(job, layer, pieces[layer], source="forward")
+                    job.session.post_layer(layer, pieces[layer])
 
         started, started_unix = time.perf_counter(), time.time()
         try:

@@ -167,17 +167,51 @@ _HAND_OFFS = [(name, transport) for i, name in enumerate(FAMILIES) for transport
 
 @pytest.mark.parametrize(("name", "transport"), _HAND_OFFS)
 def test_hand_off_matches_transformers(name, transport, tmp_path):
+    """Generate prefilled by the prefill node; for a hybrid model also the three calls by hand: the
+    sliding layers get only their window (RemoteSend's bytes_sent, the decode node's byte count),
+    and the decode node never serves a later prompt from those partial pages."""
     hf = _save(name, tmp_path / "model")
     common = (*FP32, "--model", str(tmp_path / "model"), "--transport", transport, "--threads", "1",
               "--page-size", "4")
     with started_pair(tmp_path, common, (*common, "--min-remote-prefill-tokens", "1")) as (dn, pn):
         for seed in (9, 10):
             prompt = _prompt(seed)
-            stream = dn.stub.Generate(pb.GenerateRequest(request_id=f"{name}-{seed}", token_ids=prompt,
-                                                         sampling=greedy(12)))
-            assert [t for chunk in stream for t in chunk.token_ids] == hf_greedy(hf, prompt, 12)
+            assert _generate(dn, f"{name}-{seed}", prompt) == hf_greedy(hf, prompt, 12)
         assert pn.metrics()["duet_prefill_computed_tokens_total"] == 2 * (PROMPT - 1)  # prefilled remotely
+        if name in HYBRID:
+            _check_windowed_hand_off(dn, pn, hf)
         assert no_leak(dn) and no_leak(pn)
+
+
+def _generate(dn, request_id: str, prompt: list[int], n: int = 12) -> list[int]:
+    stream = dn.stub.Generate(pb.GenerateRequest(request_id=request_id, token_ids=prompt, sampling=greedy(n)))
+    return [t for chunk in stream for t in chunk.token_ids]
+
+
+def _check_windowed_hand_off(dn, pn, hf) -> None:
+    prompt = _prompt(11)
+    r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="windowed", token_ids=prompt))
+    assert (r.kv_window_begin, r.kv_window_end) == (0, PROMPT - 1)  # the full layers need every position
+    received = dn.metrics()["duet_kv_transfer_bytes_total"]
+    sent = pn.stub.RemoteSend(pb.RemoteSendRequest(
+        request_id="windowed", token_ids=prompt, kv_window_begin=0, kv_window_end=PROMPT - 1,
+        kv_append_metadata=r.kv_append_metadata, decode_address=dn.address, transfer_nonce=r.transfer_nonce))
+    cfg = hf.config
+    slot_bytes = 4 * cfg.num_key_value_heads * cfg.head_dim  # float32
+    # Full layers move the prompt's KV; a sliding layer the positions the query at PROMPT - 1 attends.
+    positions = sum(PROMPT - 1 if kind == FULL else WINDOW - 1 for kind in cfg.layer_types)
+    assert sent.bytes_sent == 2 * positions * slot_bytes < 2 * (PROMPT - 1) * cfg.num_hidden_layers * slot_bytes
+    assert dn.metrics()["duet_kv_transfer_bytes_total"] - received == sent.bytes_sent
+    stream = dn.stub.StartGeneration(pb.StartGenerationRequest(
+        request_id="windowed", kv_window_begin=PROMPT - 1, sampling=greedy(12)))
+    generated = [t for chunk in stream for t in chunk.token_ids]
+    assert generated == hf_greedy(hf, prompt, 12)
+    # A later turn over the same prompt, and a shorter prompt sharing most of it: the decode node
+    # has not cached the partial pages, so it reads none of the sliding layers' missing positions.
+    hits = dn.metrics()["duet_prefix_cache_hit_tokens_total"]
+    for request_id, later in (("next-turn", prompt + generated + _prompt(12, 6)), ("shorter", prompt[:30])):
+        assert _generate(dn, request_id, later, 8) == hf_greedy(hf, later, 8), request_id
+    assert dn.metrics()["duet_prefix_cache_hit_tokens_total"] == hits
 
 
 def test_refused_model_type_names_the_supported_families(tmp_path):

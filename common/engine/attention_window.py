@@ -74,6 +74,17 @@ class AttentionWindow:
         return [i for i in range(first, min(last, len(pages))) if pages[i] != RELEASED]
 
 
+def layer_skips(config: ModelConfig, begin: int, end: int) -> tuple[int, ...]:
+    """Per layer, how many leading positions of a transfer of `[begin, end)` it need not move to a
+    node that computes on from `end`: for a sliding layer of a hybrid model (Gemma 2/3, gpt-oss)
+    those before `end - window + 1`, which no query from `end` on attends; 0 for every other layer
+    (a model whose every layer slides skips them all at once: `AttentionWindow.transfer_begin`).
+    A receiver that got a transfer with skips holds only partial KV before `begin + max(skips)`."""
+    if config.layer_windows is None:
+        return (0,) * config.num_layers
+    return tuple(0 if w is None else min(end - begin, max(0, end - w + 1 - begin)) for w in config.layer_windows)
+
+
 def with_attention_sinks(ckpt: Checkpoint, sinks: int) -> Checkpoint:
     """The checkpoint with `sinks` attention sinks (the daemons' --attention-sinks). The K/V of
     every layer but the first depends on them, so they join the model hash that the

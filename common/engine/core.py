@@ -52,6 +52,10 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading positions whose K/V are in the pool
     num_cached: int = 0  # of those, how many came from the prefix cache
+    # Positions before this hold K/V in some layers only: a hybrid model's sliding layers were
+    # sent only their window (attention_window.layer_skips). Such a sequence's pages are not
+    # recorded in the prefix cache, whose pages must serve any query after them.
+    partial_kv_before: int = 0
 
     @property
     def held_pages(self) -> list[int]:
@@ -131,7 +135,7 @@ class Engine:
         if copy:
             self._copy_slots(parent.pages[full], copy[0], partial)
         return Sequence(seq_id, parent.token_ids[:computed], pages=shared + copy, num_computed=computed,
-                        num_cached=parent.num_cached)
+                        num_cached=parent.num_cached, partial_kv_before=parent.partial_kv_before)
 
     def _copy_slots(self, src_page: int, dst_page: int, n: int) -> None:
         """Copy the first `n` slots of a page, K and V of every layer, into another page."""
@@ -230,10 +234,11 @@ class Engine:
         prefix cache so later requests can reuse them. Only the leading run of held pages can
         be recorded: a cached page stands for every token before it."""
         held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
+        cache = cache and not seq.partial_kv_before
         if cache and seq.num_computed:
             self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held])
         self.allocator.decref(seq.held_pages)
         if cache and seq.num_computed:
             self.room_made.notify_all()  # its pages may have turned evictable
         seq.pages = []
-        seq.num_computed = 0
+        seq.num_computed = seq.partial_kv_before = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -73,13 +73,15 @@ class KvWriter:
             raise Unavailable(str(exc)) from None
         return OpenTransfer(peer, request_id, nonce, transfer)
 
-    def finish(self, job: OpenTransfer, src_slots: np.ndarray | torch.Tensor, deadline: float) -> None:
+    def finish(self, job: OpenTransfer, src_slots: np.ndarray | torch.Tensor, deadline: float,
+               skips: Sequence[int]) -> None:
         """Wait for every byte to land, then tell the decode node (CompleteTransfer, with the
-        checksums of this node's `src_slots` when it verifies KV: computed meanwhile)."""
+        checksums of this node's `src_slots`, less each layer's `skips`, when it verifies KV:
+        computed meanwhile)."""
         peer = job.peer
         checksums = None
         if peer.info.verify_kv:
-            checksums = self._hasher.submit(kv_checksums, self.pool, torch.as_tensor(src_slots))
+            checksums = self._hasher.submit(kv_checksums, self.pool, torch.as_tensor(src_slots), skips)
         try:
             job.transfer.finish()
         except TransferError as exc:

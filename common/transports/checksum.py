@@ -2,7 +2,9 @@
 position order. The sender computes them from its pool after the last layer was posted, the
 receiver from its own slots before the request may generate (`--verify-kv`), so a byte that was
 lost, misdirected or overwritten on the way (a late writer, an early free) is caught instead of
-served. Checksum `2 * layer + kv` covers that layer's K (`kv` 0) or V (1).
+served. Checksum `2 * layer + kv` covers that layer's K (`kv` 0) or V (1); a layer that a transfer
+moves only in part (a hybrid model's sliding layer, which gets its window) is hashed over the slots
+it moved: all but its first `skips[layer]`.
 
 On a CPU pool the hash streams over the window's runs of consecutive slots where they lie
 (a run of one (layer, K|V) is one contiguous byte range): gathering them into a fresh tensor
@@ -15,24 +17,29 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from collections.abc import Sequence
+
 from common.kv.pool import KVPool
 from common.kv.segments import Segments
 
 
-def kv_checksums(pool: KVPool, slots: torch.Tensor) -> list[int]:
-    """The `2 * num_layers` checksums of the K/V at `slots` (position order)."""
+def kv_checksums(pool: KVPool, slots: torch.Tensor, skips: Sequence[int] | None = None) -> list[int]:
+    """The `2 * num_layers` checksums of the K/V at `slots` (position order), layer i's over
+    `slots[skips[i]:]`."""
+    skips = skips or (0,) * pool.num_layers
     if pool.data.is_cuda:
         rows = pool.data.index_select(2, slots.to(pool.data.device)).cpu()  # [layers, 2, n, heads, head_dim]
-        flat = rows.view(torch.uint8).reshape(2 * pool.num_layers, -1).numpy()
-        return [xxhash.xxh3_64_intdigest(row) for row in flat]
-    runs = Segments.of_slots(slots).runs
-    if any(start < 0 or start + length > pool.num_slots for start, length in runs):
+        flat = rows.view(torch.uint8).reshape(pool.num_layers, 2, len(slots), -1).numpy()
+        return [xxhash.xxh3_64_intdigest(flat[layer, kv, skips[layer]:])
+                for layer in range(pool.num_layers) for kv in (0, 1)]
+    runs_of = {skip: Segments.of_slots(slots[skip:]).runs for skip in set(skips)}
+    if any(start < 0 or start + length > pool.num_slots for start, length in runs_of[min(skips)]):
         raise IndexError(f"slots outside the pool's {pool.num_slots}")
     per_slot = pool.data.view(torch.uint8).reshape(2 * pool.num_layers, pool.num_slots, -1).numpy()
     checksums = []
-    for row in per_slot:
+    for i, row in enumerate(per_slot):
         h = xxhash.xxh3_64()
-        for start, length in runs:
+        for start, length in runs_of[skips[i // 2]]:
             h.update(row[start:start + length])
         checksums.append(h.intdigest())
     return checksums

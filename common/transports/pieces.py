@@ -7,7 +7,7 @@ contiguous byte range on each side for every (layer, K|V).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,20 @@ def plan_pieces(src_slots: Sequence[int] | np.ndarray, dst: Segments) -> list[Pi
         if d_left == 0 and (di := di + 1) < len(dst_runs):
             d_start, d_left = dst_runs[di]
     return pieces
+
+
+def per_layer(skips: Sequence[int], pieces_from: Callable[[int], list[Piece]]) -> list[list[Piece]]:
+    """Each layer's pieces when layer i leaves out the first `skips[i]` positions of a transfer
+    (the sliding layers of a hybrid model, common/engine/attention_window.layer_skips);
+    `pieces_from(skip)` is computed once per distinct skip."""
+    memo: dict[int, list[Piece]] = {}
+    return [memo[skip] if skip in memo else memo.setdefault(skip, pieces_from(skip)) for skip in skips]
+
+
+def transfer_bytes(pool: KVPool, num_slots: int, skips: Sequence[int]) -> int:
+    """Bytes a transfer of `num_slots` positions moves: K and V of every layer, less each layer's
+    skipped leading positions."""
+    return sum(num_slots - skip for skip in skips) * 2 * pool.slot_bytes()
 
 
 def byte_offset(pool_shape_slots: int, slot_bytes: int, layer: int, kv: int, slot: int) -> int:
