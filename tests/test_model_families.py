@@ -214,6 +214,78 @@ def _check_windowed_hand_off(dn, pn, hf) -> None:
     assert dn.metrics()["duet_prefix_cache_hit_tokens_total"] == hits
 
 
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[..., n]` rounded to MXFP4 as gpt-oss ships it: (blocks `[..., n/32, 16]`,
+    scales `[..., n/32]`), each group of 32 scaled by a power of two so its largest value fits 6."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = weight.reshape(*weight.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    nibble = (scaled.abs()[..., None] - values).abs().argmin(-1) + 8 * (scaled < 0)
+    return (nibble[..., 0::2] | nibble[..., 1::2] << 4).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+    """The published gpt-oss checkpoints pack their experts in MXFP4 (`*_blocks`, `*_scales`,
+    `[experts, out, in]`): read, they give transformers' own dequantization, bit for bit, and
+    the model then matches transformers holding those weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = _save("gpt_oss", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4(tensors.pop(name).transpose(1, 2))  # packed as [experts, out, in]
+        tensors |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+        dequantized = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        hf.get_parameter(name).data.copy_(dequantized)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = load_checkpoint(tmp_path)
+    layer0 = hf.model.layers[0].mlp.experts
+    assert torch.equal(ckpt.tensors["model.layers.0.mlp.experts.1.down_proj.weight"], layer0.down_proj[1].T)
+    assert torch.equal(ckpt.tensors["model.layers.0.mlp.experts.1.up_proj.weight"], layer0.gate_up_proj[1, :, 1::2].T)
+    model = DecoderModel(ckpt)
+    prompt = _prompt(13)
+    assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
+
+
+def test_qwen3_gguf_loads_as_its_hugging_face_directory(tmp_path):
+    """A Qwen3 GGUF (llama.cpp's tensor and key names, written here from the tiny checkpoint)
+    loads to the same model: greedy tokens identical to transformers."""
+    import gguf
+
+    hf = _save("qwen3", tmp_path)
+    cfg = hf.config
+    writer = gguf.GGUFWriter(tmp_path / "qwen3.gguf", "qwen3")
+    for key, value in (("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads), ("vocab_size", VOCAB),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim)):
+        writer.add_uint32(f"qwen3.{key}", value)
+    writer.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32("qwen3.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in hf.state_dict().items():
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            name = f"blk.{layer}.{names[rest.removesuffix('.weight')]}.weight"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]
+        writer.add_tensor(name, t.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model = DecoderModel(load_checkpoint(tmp_path / "qwen3.gguf"))
+    assert model.config.architecture == "qwen3"
+    prompt = _prompt(14)
+    assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
+
+
 def test_refused_model_type_names_the_supported_families(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(ValueError, match="unsupported model_type 'mamba'; supported: llama, mistral, qwen2, qwen3, "

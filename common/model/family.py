@@ -67,29 +67,53 @@ def _split_phi3(tensors: dict[str, torch.Tensor], raw: dict) -> dict[str, torch.
     return out
 
 
+# The 16 values of an FP4 (e2m1) nibble, as OCP's microscaling spec defines them.
+_FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 weights as gpt-oss checkpoints ship them, in float32: `blocks` `[..., groups, 16]`
+    bytes of two FP4 values each (low nibble first), `scales` `[..., groups]` a shared power of two
+    per 32 values (E8M0: exponent + 127). Returns `[..., groups * 32]`; exact (an FP4 value times
+    a power of two fits float32 and bfloat16 alike)."""
+    blocks = blocks.to(torch.uint8).long()
+    values = torch.stack([_FP4_VALUES[blocks & 0x0F], _FP4_VALUES[blocks >> 4]], dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
 def _split_gpt_oss_experts(tensors: dict[str, torch.Tensor], raw: dict) -> dict[str, torch.Tensor]:
-    """gpt-oss keeps each layer's experts as `[experts, in, out]` tensors, gate and up interleaved
+    """gpt-oss keeps each layer's experts as `[experts, in, out]` tensors (MXFP4-packed `_blocks`
+    and `_scales` of `[experts, out, in]` in the published checkpoints), gate and up interleaved
     (gate in even columns): one `[out, in]` weight per expert and projection, as Linear takes them."""
-    out = {}
+    out, packed = {}, {}
     for name, t in tensors.items():
+        if name.endswith(("_blocks", "_scales")):
+            packed[name] = t
+        else:
+            out[name] = t
+    for name in [n for n in packed if n.endswith("_blocks")]:
+        base = name.removesuffix("_blocks")
+        out[base] = dequantize_mxfp4(packed[name], packed[f"{base}_scales"]).transpose(1, 2)
+    unpacked = {}
+    for name, t in out.items():
         prefix, dot, kind = name.rpartition("mlp.experts.")
         if not dot:
-            out[name] = t
+            unpacked[name] = t
             continue
         for e in range(t.shape[0]):
             p = f"{prefix}mlp.experts.{e}."
             if kind == "gate_up_proj":
-                out |= {f"{p}gate_proj.weight": t[e, :, ::2].T, f"{p}up_proj.weight": t[e, :, 1::2].T}
+                unpacked |= {f"{p}gate_proj.weight": t[e, :, ::2].T, f"{p}up_proj.weight": t[e, :, 1::2].T}
             elif kind == "gate_up_proj_bias":
-                out |= {f"{p}gate_proj.bias": t[e, ::2], f"{p}up_proj.bias": t[e, 1::2]}
+                unpacked |= {f"{p}gate_proj.bias": t[e, ::2], f"{p}up_proj.bias": t[e, 1::2]}
             elif kind == "down_proj":
-                out[f"{p}down_proj.weight"] = t[e].T
+                unpacked[f"{p}down_proj.weight"] = t[e].T
             elif kind == "down_proj_bias":
-                out[f"{p}down_proj.bias"] = t[e]
+                unpacked[f"{p}down_proj.bias"] = t[e]
             else:
-                raise ValueError(f"unexpected gpt-oss expert tensor {name!r} (MXFP4-packed experts are not read; "
-                                 "use a checkpoint with dequantized experts)")
-    return {k: v.contiguous() for k, v in out.items()}
+                raise ValueError(f"unexpected gpt-oss expert tensor {name!r}")
+    return {k: v.contiguous() for k, v in unpacked.items()}
 
 
 def _from_max_window_layers(i: int, raw: dict) -> bool:

@@ -1,4 +1,5 @@
-"""Load a Llama-family GGUF file: metadata to ModelConfig, tensors dequantized to fp32."""
+"""Load a GGUF file of the llama, qwen2 or qwen3 architecture: metadata to ModelConfig, tensors
+dequantized to fp32 and named as the Hugging Face checkpoint of the same family names them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,7 @@ from common.model.config import ModelConfig
 from common.model.gguf_file import GgufFile
 
 # GGUF architectures we read, and the Hugging Face architecture each corresponds to.
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K}
 
 _LAYER_NAMES = {
@@ -26,6 +27,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",

@@ -119,7 +119,8 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update({k: v.float() for k, v in load_file(f).items()})
+        # Integer tensors (gpt-oss's MXFP4 blocks and scales) stay as they are, for the family to decode.
+        tensors.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(f).items()})
     model_hash = hash_files(files)
     # The KV depends on the windows: nodes must agree (the compatibility fingerprint compares the hash).
     if config.sliding_window is not None:
