@@ -7,6 +7,7 @@ tests/test_model_vs_transformers.py and tests/test_sliding_window.py.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -283,6 +284,30 @@ def test_qwen3_gguf_loads_as_its_hugging_face_directory(tmp_path):
     model = DecoderModel(load_checkpoint(tmp_path / "qwen3.gguf"))
     assert model.config.architecture == "qwen3"
     prompt = _prompt(14)
+    assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as `gemma3` (a vision tower beside the text model): the text model
+    loads, its config defaults filled as transformers fills them, and matches transformers'
+    multimodal model on text."""
+    text = transformers.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=WINDOW,
+                                         layer_types=[SLIDING, FULL, SLIDING])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, image_token_index=VOCAB - 3,
+                                       boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 1)
+    torch.manual_seed(1)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rms_norm_eps", "query_pre_attn_scalar", "rope_parameters"):  # at their defaults: left out,
+        del raw["text_config"][key]  # as Google's own configs leave them
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model = DecoderModel(load_checkpoint(tmp_path))
+    assert model.config.architecture == "gemma3_text" and model.config.attention_scale == 256**-0.5
+    prompt = random_ids(PROMPT, 15, low=3, high=VOCAB - 3)
     assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
 
 

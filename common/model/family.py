@@ -43,6 +43,8 @@ class Family:
     # Whether layer i slides, for a config.json without `layer_types` (written by transformers 4):
     # (i, config) -> bool; None: every layer does when the config has a sliding window.
     sliding_layer: Callable[[int, dict], bool] | None = None
+    # Values the family's config.json may leave out (transformers' config class defaults them).
+    config_defaults: dict = field(default_factory=dict)
 
     @property
     def sandwich(self) -> bool:
@@ -130,7 +132,13 @@ FAMILIES: dict[str, Family] = {
                      activation="gelu_tanh", embedding_scale=True, sliding_layer=lambda i, raw: i % 2 == 0),
     "gemma3_text": Family(norms=SANDWICH_NORMS, norm_weight_in_float32=True, norm_weight_offset=1.0,
                           qk_norm="head", activation="gelu_tanh", embedding_scale=True,
-                          sliding_layer=lambda i, raw: (i + 1) % raw.get("sliding_window_pattern", 6) != 0),
+                          sliding_layer=lambda i, raw: (i + 1) % raw.get("sliding_window_pattern", 6) != 0,
+                          config_defaults={  # Gemma 3's multimodal checkpoints list only what differs
+                              "vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4,
+                              "head_dim": 256, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                              "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                              "max_position_embeddings": 131072, "sliding_window": 4096,
+                              "tie_word_embeddings": True}),
     "phi3": Family(unpack=_split_phi3),
     "granite": Family(),
     "olmo2": Family(norms=POST_NORMS, norm_weight_in_float32=True, qk_norm="projection"),
@@ -143,9 +151,15 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Multimodal checkpoints whose text model is one of the families: the text config is their
+# `text_config`, its tensors those under `language_model.` (the vision tower is not loaded).
+MULTIMODAL = {"gemma3": "gemma3_text"}
+
+
 def family_of(model_type: str | None) -> Family:
     if model_type not in FAMILIES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)} "
+                         f"(and the text model of {', '.join(MULTIMODAL)})")
     return FAMILIES[model_type]
 
 

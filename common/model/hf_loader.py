@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from common.model.checkpoint import Checkpoint, hash_files
 from common.model.config import ModelConfig, MoeConfig
-from common.model.family import canonical_tensors, family_of
+from common.model.family import MULTIMODAL, canonical_tensors, family_of
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -56,9 +56,25 @@ def _moe(raw: dict) -> MoeConfig | None:
         swiglu_alpha=raw.get("swiglu_alpha", 1.702), swiglu_limit=raw.get("swiglu_limit", 7.0))
 
 
+def _text_model(raw: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The text model of a multimodal checkpoint (MULTIMODAL): its config and its tensors, named
+    as the text family's own checkpoint names them (transformers 4 writes `language_model.model.*`,
+    5 `model.language_model.*`); the checkpoint itself when it is not multimodal."""
+    if raw.get("model_type") not in MULTIMODAL:
+        return raw, tensors
+    text = {**raw.get("text_config", {}), "model_type": MULTIMODAL[raw["model_type"]]}
+    renamed = {}
+    for name, t in tensors.items():
+        for prefix, replacement in (("language_model.", ""), ("model.language_model.", "model.")):
+            if name.startswith(prefix):
+                renamed[replacement + name.removeprefix(prefix)] = t
+    return text, renamed
+
+
 def _config(raw: dict) -> ModelConfig:
     model_type = raw.get("model_type")
     family = family_of(model_type)
+    raw = family.config_defaults | raw
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     scalar = raw.get("query_pre_attn_scalar")  # Gemma
@@ -113,7 +129,7 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     if not config_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
     raw = json.loads(config_file.read_text())
-    config = _config(raw)
+    family_of(MULTIMODAL.get(raw.get("model_type"), raw.get("model_type")))  # refuse before reading weights
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files")
@@ -121,6 +137,8 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     for f in files:
         # Integer tensors (gpt-oss's MXFP4 blocks and scales) stay as they are, for the family to decode.
         tensors.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(f).items()})
+    raw, tensors = _text_model(raw, tensors)
+    config = _config(raw)
     model_hash = hash_files(files)
     # The KV depends on the windows: nodes must agree (the compatibility fingerprint compares the hash).
     if config.sliding_window is not None:
