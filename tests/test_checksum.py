@@ -50,3 +50,18 @@ def test_slots_outside_the_pool_are_refused():
     src, _ = _pools(torch.float32)
     with pytest.raises(IndexError):
         kv_checksums(src, torch.tensor([30, 31, 32]))
+
+
+def test_a_layer_that_skips_positions_is_hashed_over_the_rest_only():
+    """A hybrid model's sliding layer moves only its window: its checksums cover `slots[skip:]`,
+    so KV it never sent (garbage on the receiver) cannot fail the check, and what it sent still can."""
+    src, dst = _pools(torch.float32)
+    slots, skips = torch.tensor([3, 4, 5, 6, 9, 10]), (0, 4, 0)
+    dst.data.copy_(src.data)
+    dst.data[1, :, slots[:4]] = 7.0  # layer 1's skipped positions differ
+    assert kv_checksums(src, slots, skips) == kv_checksums(dst, slots, skips)
+    assert first_mismatch(kv_checksums(src, slots), kv_checksums(dst, slots)) == "layer 1 K"
+    gathered = src.data[1, :, slots[4:]].contiguous().view(torch.uint8).reshape(2, -1).numpy()
+    assert kv_checksums(src, slots, skips)[2:4] == [xxhash.xxh3_64_intdigest(row) for row in gathered]
+    dst.data[1, 1, 10] += 1.0  # a sent position of layer 1 V
+    assert first_mismatch(kv_checksums(src, slots, skips), kv_checksums(dst, slots, skips)) == "layer 1 V"

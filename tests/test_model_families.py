@@ -75,11 +75,30 @@ def _save(name: str, path: Path):
     return hf
 
 
+_BUILT: dict[str, tuple] = {}
+
+
+def _built(name: str, tmp_path_factory) -> tuple:
+    """(family name, checkpoint directory, the transformers model), built once per session."""
+    if name not in _BUILT:
+        path = tmp_path_factory.mktemp(name)
+        _BUILT[name] = name, path, _save(name, path)
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """(family name, checkpoint directory, the transformers model)."""
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, path, _save(request.param, path)
+    return _built(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRID))
+def hybrid(request, tmp_path_factory):
+    return _built(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def moe(request, tmp_path_factory):
+    return _built(request.param, tmp_path_factory)
 
 
 def _prompt(seed: int, n: int = PROMPT) -> list[int]:
@@ -90,6 +109,8 @@ def test_logits_and_greedy_tokens_match_transformers(family):
     name, path, hf = family
     model = DecoderModel(load_checkpoint(path))
     assert model.config.architecture == name
+    assert (model.config.layer_windows is not None) == (name in HYBRID)
+    assert (model.config.moe is not None) == (name in MOE)
     ids = _prompt(1, 60)
     with torch.no_grad():
         reference = hf(torch.tensor([ids])).logits[0]
@@ -99,14 +120,11 @@ def test_logits_and_greedy_tokens_match_transformers(family):
         assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
 
 
-def test_hybrid_layers_keep_their_own_windows(family):
+def test_hybrid_layers_keep_their_own_windows(hybrid):
     """Gemma 2/3 and gpt-oss mix sliding and full layers: each layer attends its own span, and
     the windows change the output (so the test above checks them)."""
-    name, path, hf = family
+    _, path, hf = hybrid
     ckpt = load_checkpoint(path)
-    if name not in HYBRID:
-        assert ckpt.config.layer_windows is None
-        return
     assert ckpt.config.layer_windows == tuple(WINDOW if kind == SLIDING else None for kind in hf.config.layer_types)
     assert ckpt.config.sliding_window is None  # the full layers read every page
     ids = _prompt(4, 60)
@@ -114,20 +132,31 @@ def test_hybrid_layers_keep_their_own_windows(family):
     assert (full_logits(DecoderModel(ckpt), ids) - full_logits(unwindowed, ids)).abs().max().item() > 1e-2
 
 
-def test_experts_run_only_on_their_rows(family, monkeypatch):
+def test_experts_run_only_on_their_rows(moe, monkeypatch):
     """A mixture runs k experts per token, not every expert, and only on its sparse layers."""
-    name, path, _ = family
-    if name not in MOE:
-        return
+    _, path, _ = moe
     model = DecoderModel(load_checkpoint(path))
-    moe = model.config.moe
+    experts = model.config.moe
     rows: list[int] = []
     call = GatedMlp.__call__
     monkeypatch.setattr(GatedMlp, "__call__", lambda self, h: rows.append(h.shape[0]) or call(self, h))
     full_logits(model, _prompt(5, 30))
-    sparse = model.config.num_layers - len(moe.dense_layers)
-    assert sum(rows) == 30 * (moe.top_k * sparse + len(moe.dense_layers))
-    assert len(rows) <= sparse * moe.num_experts + len(moe.dense_layers)
+    sparse = model.config.num_layers - len(experts.dense_layers)
+    assert sum(rows) == 30 * (experts.top_k * sparse + len(experts.dense_layers))
+    assert len(rows) <= sparse * experts.num_experts + len(experts.dense_layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_rows_do_not_depend_on_their_batch(moe, dtype):
+    """As a dense layer's rows (tests/test_continuation.py): a prompt's last token, computed inside
+    a chunk on one node and alone after a hand-off, must come out alike."""
+    _, path, _ = moe
+    model = DecoderModel(load_checkpoint(path), dtype=dtype)
+    experts = model.layers[0]["mlp"]
+    rows = torch.randn(17, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    alone = torch.cat([experts(rows[i : i + 1]) for i in range(17)])
+    for batch in (2, 5, 17):
+        assert torch.equal(experts(rows[:batch]), alone[:batch]), batch
 
 
 def test_bf16_agrees_with_transformers_bf16(family):
