@@ -18,7 +18,7 @@ from common.model.checkpoint import load_checkpoint
 from common.model.decoder import DecoderModel
 from common.model.mlp import GatedMlp
 from protos.duet.v1 import duet_pb2 as pb
-from tests.helpers import greedy, random_ids, started_pair
+from tests.helpers import Started, greedy, random_ids, started_pair
 from tests.reference import FP32, engine_greedy, hf_greedy
 from tests.test_bf16 import _bf16_ulp, _teacher_forced
 from tests.test_disaggregated import no_leak
@@ -277,6 +277,35 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     model = DecoderModel(ckpt)
     prompt = _prompt(13)
     assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.parametrize(("name", "transport"), [("gpt_oss", "tcp"), ("gemma3_text", "nixl")])
+def test_hybrid_request_migrates_mid_stream(name, transport, tmp_path):
+    """Live migration of a hybrid model's request moves each sliding layer its window only, and
+    the stream goes on as transformers' greedy continuation; the target does not cache the
+    partial KV it received (a later request of the same prompt there is still exact)."""
+    hf = _save(name, tmp_path / "model")
+    flags = (*FP32, "--model", str(tmp_path / "model"), "--transport", transport, "--threads", "1",
+             "--page-size", "4")
+    prompt = _prompt(16)
+    with Started(tmp_path) as s:
+        a, b = s.spawn("decode_node", *flags), s.spawn("decode_node", *flags)
+        s.wait()
+        tokens, moved = [], None
+        for i, chunk in enumerate(a.stub.Generate(pb.GenerateRequest(request_id="moving", token_ids=prompt,
+                                                                     sampling=greedy(16)))):
+            tokens += chunk.token_ids
+            if i == 3:
+                moved = a.stub.Migrate(pb.MigrateRequest(request_id="moving", target_address=b.address))
+        assert moved is not None and moved.tokens_moved > 0
+        assert tokens == hf_greedy(hf, prompt, 16)
+        context = moved.tokens_moved  # the positions before the target's first step
+        cfg = hf.config
+        full_bytes = 2 * context * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * cfg.head_dim
+        assert 0 < b.metrics()["duet_kv_transfer_bytes_total"] < full_bytes
+        assert _generate(b, "again", prompt) == hf_greedy(hf, prompt, 12)
+        assert b.metrics()["duet_prefix_cache_hit_tokens_total"] == 0
+        assert no_leak(a) and no_leak(b)
 
 
 def test_qwen3_gguf_loads_as_its_hugging_face_directory(tmp_path):
