@@ -159,7 +159,7 @@ class HandOff:
         r = entry.reservation
         skipped = max(layer_skips(self.engine.model.config, r.begin, r.end)) if r.prefix_matched < r.end else 0
         if skipped:  # a writer moved [begin, end), a hybrid model's sliding layers only their window
-            r.seq.partial_kv_before = r.begin + skipped
+            r.seq.partial_kv_before = max(r.seq.partial_kv_before, r.begin + skipped)
         r.seq.num_computed = max(r.prefix_matched, r.end)
         self.requests.move(entry, Status.RUNNING)
 

@@ -52,6 +52,41 @@ def test_match_shares_whole_pages_but_not_a_tail_its_sequence_still_holds() -> N
     assert [allocator.refcount(p) for p in pages] == [4, 3, 2]
 
 
+def test_partial_pages_serve_only_matches_whose_window_stays_clear_of_them() -> None:
+    """A hybrid model's hand-off leaves pages whose sliding layers lack KV (positions before 24
+    here, window 8): a match may end only where the window of its first computed position
+    reads whole pages; a whole copy of the same tokens replaces the partial pages."""
+    allocator = PageAllocator(32)
+    cache = PrefixCache(allocator, PS, window=8)
+    tokens = list(range(100, 140))
+    pages = allocator.allocate(10)
+    cache.insert(tokens, pages, partial_before=24)  # pages 0-5 partial
+    allocator.decref(pages)
+    assert cache.matched_length(tokens) == 40  # reads positions 33-39: pages 8 and 9
+    assert cache.matched_length(tokens[:33]) == 32  # 26-31: page 6 and 7, whole
+    assert cache.matched_length(tokens[:30]) == 0  # 23-29 reach page 5, and every shorter match earlier pages
+    assert cache.partial_before(tokens) == 24 and cache.partial_before(tokens[:30]) == 0
+    shorter, n = cache.match(tokens[:30])
+    assert (shorter, n) == ([], 0)
+    assert PrefixCache(allocator, PS).matched_length(tokens[:30]) == 0  # an empty cache: nothing
+    whole = allocator.allocate(8)
+    cache.insert(tokens[:32], whole)  # the same tokens computed here: every layer's KV
+    allocator.decref(whole)
+    # The partial pages went back; of the whole ones, the cache kept its own (pages 6 and 7).
+    assert [allocator.refcount(p) for p in pages[:8]] == [0] * 6 + [1, 1]
+    assert [allocator.refcount(p) for p in whole] == [1] * 6 + [0, 0]
+    assert cache.matched_length(tokens[:30]) == 28 and cache.partial_before(tokens) == 0
+
+
+def test_without_a_window_partial_pages_are_served_and_a_partial_tail_is_not_recorded() -> None:
+    allocator, cache = make()
+    tokens = list(range(10))
+    pages = allocator.allocate(3)
+    cache.insert(tokens, pages, partial_before=10)
+    allocator.decref(pages)
+    assert cache.num_cached_pages == 2 and cache.matched_length(tokens) == 8  # the tail was not recorded
+
+
 def test_match_accepts_any_int_sequence() -> None:
     np = pytest.importorskip("numpy")
     _, cache = make()

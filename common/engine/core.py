@@ -53,8 +53,8 @@ class Sequence:
     num_computed: int = 0  # leading positions whose K/V are in the pool
     num_cached: int = 0  # of those, how many came from the prefix cache
     # Positions before this hold K/V in some layers only: a hybrid model's sliding layers were
-    # sent only their window (attention_window.layer_skips). Such a sequence's pages are not
-    # recorded in the prefix cache, whose pages must serve any query after them.
+    # sent only their window (attention_window.layer_skips); the prefix cache records such pages
+    # as partial, and serves them only to queries whose window does not reach them.
     partial_kv_before: int = 0
 
     @property
@@ -77,7 +77,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, on_free=self.room_made.notify_all)
         self.window = AttentionWindow.of(model.config)  # None: full attention, no page is released
         self.kv_events = KvEventLog(page_size)  # what WatchKvEvents streams
-        self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events)
+        windows = [w for w in model.config.layer_windows or () if w is not None]  # a hybrid model's
+        self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events, max(windows, default=None))
 
     @property
     def page_size(self) -> int:
@@ -100,6 +101,7 @@ class Engine:
     def attach_cached_prefix(self, seq: Sequence) -> None:
         """Give a sequence that holds no pages the longest cached prefix of its tokens."""
         assert not seq.pages, "the sequence already holds pages"
+        seq.partial_kv_before = self.prefix_cache.partial_before(seq.token_ids[:-1])
         seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1])
         seq.num_cached = max(seq.num_cached, seq.num_computed)
 
@@ -234,9 +236,9 @@ class Engine:
         prefix cache so later requests can reuse them. Only the leading run of held pages can
         be recorded: a cached page stands for every token before it."""
         held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
-        cache = cache and not seq.partial_kv_before
         if cache and seq.num_computed:
-            self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held])
+            self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held],
+                                     seq.partial_kv_before)
         self.allocator.decref(seq.held_pages)
         if cache and seq.num_computed:
             self.room_made.notify_all()  # its pages may have turned evictable

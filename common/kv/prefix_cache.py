@@ -30,6 +30,13 @@ LRU uses a min-heap of `(last_access, serial, node)` for leaves with lazy invali
 touch pushes a fresh entry and older ones are recognised as stale when popped. Stale entries are
 compacted away once they outnumber live nodes, so the heap stays O(cached pages).
 
+**Partial pages** (hybrid models, common/engine/attention_window.layer_skips): a page whose KV a
+hand-off or migration moved for the full-attention layers only (a sliding layer got its window)
+is recorded as partial. With the model's largest sliding `window`, a match ends only where every
+page the first computed position's window reaches is whole: a match that would read a partial
+page is cut back to the longest that does not (to none at worst). A whole page recorded later for
+the same tokens replaces a partial one. A partial tail is not recorded.
+
 With a `KvEventLog`, every full page the cache starts or stops recording is reported by its
 chained block hash (common/kv/block_hashes.py), one published change per operation, so other
 nodes can tell which prompts this cache would serve. Tails are not reported: they are never shared.
@@ -53,10 +60,10 @@ _HeapEntry = tuple[int, int, "_Node"]
 
 class _Node:
     __slots__ = ("key", "page", "parent", "children", "tails", "is_tail", "last_access", "serial", "removed",
-                 "block_hash")
+                 "block_hash", "partial")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, serial: int,
-                 is_tail: bool = False) -> None:
+                 is_tail: bool = False, partial: bool = False) -> None:
         self.key = key
         # Tails and the root name no block.
         self.block_hash = ROOT_HASH if parent is None or is_tail else chain_hash(parent.block_hash, key)
@@ -68,6 +75,7 @@ class _Node:
         self.last_access = 0
         self.serial = serial
         self.removed = False
+        self.partial = partial  # some layers' KV is missing (see "Partial pages")
 
     def is_leaf(self) -> bool:
         return not self.children and not self.tails
@@ -87,12 +95,15 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, events: KvEventLog | None = None) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, events: KvEventLog | None = None,
+                 window: int | None = None) -> None:
+        """`window`: a hybrid model's largest sliding window, which partial pages are checked against."""
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         self.allocator = allocator
         self.events = events
         self.page_size = page_size
+        self.window = window
         self._serials = itertools.count()
         self._root = _Node((), -1, None, next(self._serials))
         self._clock = 0
@@ -111,7 +122,7 @@ class PrefixCache:
         caller's alone and `matched_token_count` is not a multiple of the page size. The whole of
         `token_ids` may match: pass only what may be reused (e.g. `prompt[:-1]`).
         """
-        path, tail, tail_len = self._lookup(token_ids)
+        path, tail, tail_len = self._usable(*self._lookup(token_ids))
         pages = [n.page for n in path]
         self.allocator.incref(pages)
         if tail is not None:
@@ -122,16 +133,25 @@ class PrefixCache:
 
     def matched_length(self, token_ids: Sequence[int]) -> int:
         """How many tokens `match` would reuse now, without taking or touching anything."""
-        path, _, tail_len = self._lookup(token_ids)
+        path, _, tail_len = self._usable(*self._lookup(token_ids))
         return len(path) * self.page_size + tail_len
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> None:
+    def partial_before(self, token_ids: Sequence[int]) -> int:
+        """The end of the last partial page among those `match(token_ids)` returns (0: none):
+        positions before it may lack some layers' KV."""
+        path, tail, _ = self._usable(*self._lookup(token_ids))
+        nodes = path + ([tail] if tail is not None else [])
+        return max((i + 1 for i, n in enumerate(nodes) if n.partial), default=0) * self.page_size
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], partial_before: int = 0) -> None:
         """Record a sequence's computed KV: `token_ids[:k*page_size]` -> `pages[:k]` as full
-        pages, and a trailing partial page as a tail of the last full page's node.
+        pages, and a trailing partial page as a tail of the last full page's node. Pages holding a
+        position before `partial_before` are partial (some layers' KV is missing).
 
         Where a node already exists (the same tokens were computed twice), the cached page is kept
-        and the caller's duplicate is not referenced; so is a cached tail that starts with all of
-        the new tail's tokens. Cached tails the new tail extends are dropped (it holds their KV).
+        and the caller's duplicate is not referenced, unless the cached one is partial and the
+        caller's is whole; so is a cached tail that starts with all of the new tail's tokens.
+        Cached tails the new tail extends are dropped (it holds their KV).
         """
         keys = self._page_keys(token_ids)
         tail_tokens = tuple(int(t) for t in token_ids[len(keys) * self.page_size :])
@@ -140,15 +160,20 @@ class PrefixCache:
             raise ValueError(f"{len(token_ids)} tokens fill {needed} pages but only {len(pages)} pages given")
         path: list[_Node] = []
         node = self._root
-        for key, page in zip(keys, pages):
+        for i, (key, page) in enumerate(zip(keys, pages)):
+            partial = i * self.page_size < partial_before
             child = node.children.get(key)
             if child is None:
                 # A tail on this very page was recorded while its sequence still filled it.
                 self._drop_tails(node, lambda t: t.page == page)
-                child = self._add(node, key, page)
+                child = self._add(node, key, page, partial=partial)
+            elif child.partial and not partial:  # the whole page replaces the partial one
+                self.allocator.incref([page])
+                self.allocator.decref([child.page])
+                child.page, child.partial = page, False
             path.append(child)
             node = child
-        if tail_tokens:
+        if tail_tokens and len(keys) * self.page_size >= partial_before:
             tail = next((t for t in node.tails.values() if t.key[: len(tail_tokens)] == tail_tokens), None)
             if tail is None:
                 self._drop_tails(node, lambda t: tail_tokens[: len(t.key)] == t.key)
@@ -295,6 +320,21 @@ class PrefixCache:
                 best, best_len = tail, n
         return path, best, best_len
 
+    def _usable(self, path: list[_Node], tail: _Node | None,
+                tail_len: int) -> tuple[list[_Node], _Node | None, int]:
+        """The longest part of a lookup that a computation can continue from: every page the
+        window of its first computed position reaches is whole ("Partial pages")."""
+        if self.window is None:
+            return path, tail, tail_len
+        ps, nodes = self.page_size, path + ([tail] if tail is not None else [])
+        ends = [len(path) * ps + tail_len] + [k * ps for k in range(len(path), 0, -1)]
+        for end in ends:
+            first, last = max(0, end - self.window + 1) // ps, (end - 1) // ps
+            if not any(n.partial for n in nodes[first : last + 1]):
+                keep = -(-end // ps)
+                return (path[:keep], tail, tail_len) if end == ends[0] else (path[:keep], None, 0)
+        return [], None, 0
+
     def _page_keys(self, token_ids: Sequence[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
         return [
@@ -302,9 +342,10 @@ class PrefixCache:
             for i in range(0, len(token_ids) - ps + 1, ps)
         ]
 
-    def _add(self, parent: _Node, key: tuple[int, ...], page: int, is_tail: bool = False) -> _Node:
+    def _add(self, parent: _Node, key: tuple[int, ...], page: int, is_tail: bool = False,
+             partial: bool = False) -> _Node:
         self.allocator.incref([page])
-        node = _Node(key, page, parent, next(self._serials), is_tail)
+        node = _Node(key, page, parent, next(self._serials), is_tail, partial)
         (parent.tails if is_tail else parent.children)[key] = node
         self._num_nodes += 1
         if self.events is not None and not is_tail:
