@@ -58,58 +58,16 @@ class DecoderModel:
         family = self.family = family_of(cfg.architecture)
         self.model_hash = ckpt.model_hash
         self.dtype, self.device = dtype, torch.device(device)
-        w = ckpt.tensors
-
-        def put(t: torch.Tensor) -> torch.Tensor:
-            # Fused (concatenated) where the checkpoint lives, then moved once: fusing on a GPU
-            # would leave the unfused copies as cached blocks the KV pool cannot reuse.
-            return t.to(device=device, dtype=dtype)
-
-        def norm(name: str) -> torch.Tensor:
-            if not family.norm_weight_in_float32:
-                return put(w[name])
-            # The weight as the model dtype holds it, applied in float32 (plus Gemma's offset).
-            return w[name].to(dtype).float().to(device) + family.norm_weight_offset
-
-        def linear(name: str) -> Linear:
-            bias = w.get(f"{name}.bias")
-            return Linear(put(w[f"{name}.weight"]), None if bias is None else put(bias))
-
-        def gated(p: str) -> GatedMlp:
-            bias = [w.get(f"{p}{n}_proj.bias") for n in ("gate", "up")]
-            gate_up = Linear(put(torch.cat([w[f"{p}gate_proj.weight"], w[f"{p}up_proj.weight"]])),
-                             None if bias[0] is None else put(torch.cat(bias)))
-            return GatedMlp(gate_up, linear(f"{p}down_proj"), family.activation, cfg.moe)
-
-        self.embed = put(w["model.embed_tokens.weight"])
+        weights = _Weights(ckpt, dtype, device)
+        self.embed = weights.put(weights.tensors["model.embed_tokens.weight"])
         # Gemma's factor is rounded to the model dtype first, as transformers does.
         self.embedding_multiplier = (torch.tensor(cfg.embedding_multiplier, dtype=dtype).item()
                                      if family.embedding_scale else cfg.embedding_multiplier)
-        self.norm = norm("model.norm.weight")
+        self.norm = weights.norm("model.norm.weight")
         # Tied: the packed copy costs the embedding's size again (113 MB for SmolLM2-135M), for the
         # largest product of every step.
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else put(w["lm_head.weight"]))
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            qkv_bias = [w.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-            layer = {
-                "qkv": Linear(put(torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])),
-                              None if qkv_bias[0] is None else put(torch.cat(qkv_bias))),
-                "o": linear(f"{p}self_attn.o_proj"),
-                "window": cfg.window_of(i),
-            }
-            layer |= {role: norm(f"{p}{name}.weight") for role, name in family.norms.items()}
-            if family.qk_norm is not None:
-                layer |= {"q_norm": norm(f"{p}self_attn.q_norm.weight"), "k_norm": norm(f"{p}self_attn.k_norm.weight")}
-            if f"{p}self_attn.sinks" in w:  # gpt-oss: a learned logit per head that takes a share of the softmax
-                layer["sinks"] = w[f"{p}self_attn.sinks"].float().to(device)
-            if cfg.moe is not None and i not in cfg.moe.dense_layers:
-                experts = [gated(f"{p}mlp.experts.{e}.") for e in range(cfg.moe.num_experts)]
-                layer["mlp"] = MixtureOfExperts(linear(f"{p}mlp.gate"), experts, cfg.moe, family.routing)
-            else:
-                layer["mlp"] = gated(f"{p}mlp.")
-            self.layers.append(layer)
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights.put(weights.tensors["lm_head.weight"]))
+        self.layers = [weights.layer(i) for i in range(cfg.num_layers)]
         self.attention_scale = cfg.attention_scale or cfg.head_dim**-0.5
         # Soft-capped scores and sinks are computed as transformers' eager attention does.
         self.eager_attention = cfg.attention_softcap is not None or any("sinks" in layer for layer in self.layers)
@@ -251,6 +209,54 @@ class DecoderModel:
         if self.config.residual_multiplier != 1.0:
             out = out * self.config.residual_multiplier
         return x + out
+
+
+class _Weights:
+    """A checkpoint's tensors as the forward holds them: on the model's device in its dtype,
+    products fused (QKV, gate+up) and packed (Linear), norms as the family applies them."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: str) -> None:
+        self.tensors, self.config, self.family = ckpt.tensors, ckpt.config, family_of(ckpt.config.architecture)
+        self.dtype, self.device = dtype, device
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        # Fused (concatenated) where the checkpoint lives, then moved once: fusing on a GPU
+        # would leave the unfused copies as cached blocks the KV pool cannot reuse.
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        if not self.family.norm_weight_in_float32:
+            return self.put(self.tensors[name])
+        # The weight as the model dtype holds it, applied in float32 (plus Gemma's offset).
+        return self.tensors[name].to(self.dtype).float().to(self.device) + self.family.norm_weight_offset
+
+    def fused(self, names: list[str]) -> Linear:
+        """One Linear computing the named products side by side (with their biases, when they have them)."""
+        biases = [self.tensors.get(f"{name}.bias") for name in names]
+        bias = None if biases[0] is None else self.put(torch.cat(biases))
+        return Linear(self.put(torch.cat([self.tensors[f"{name}.weight"] for name in names])), bias)
+
+    def gated(self, p: str) -> GatedMlp:
+        return GatedMlp(self.fused([f"{p}gate_proj", f"{p}up_proj"]), self.fused([f"{p}down_proj"]),
+                        self.family.activation, self.config.moe)
+
+    def layer(self, i: int) -> dict:
+        """Layer i's weights, keyed by what the forward looks up; the norms the family has, by role."""
+        cfg, family, p = self.config, self.family, f"model.layers.{i}."
+        layer = {"qkv": self.fused([f"{p}self_attn.{n}_proj" for n in "qkv"]),
+                 "o": self.fused([f"{p}self_attn.o_proj"]), "window": cfg.window_of(i)}
+        layer |= {role: self.norm(f"{p}{name}.weight") for role, name in family.norms.items()}
+        if family.qk_norm is not None:
+            layer |= {"q_norm": self.norm(f"{p}self_attn.q_norm.weight"),
+                      "k_norm": self.norm(f"{p}self_attn.k_norm.weight")}
+        if f"{p}self_attn.sinks" in self.tensors:  # gpt-oss: a learned logit per head, a share of the softmax
+            layer["sinks"] = self.tensors[f"{p}self_attn.sinks"].float().to(self.device)
+        if cfg.moe is not None and i not in cfg.moe.dense_layers:
+            experts = [self.gated(f"{p}mlp.experts.{e}.") for e in range(cfg.moe.num_experts)]
+            layer["mlp"] = MixtureOfExperts(self.fused([f"{p}mlp.gate"]), experts, cfg.moe, family.routing)
+        else:
+            layer["mlp"] = self.gated(f"{p}mlp.")
+        return layer
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,7 @@ def _config(raw: dict) -> ModelConfig:
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     scalar = raw.get("query_pre_attn_scalar")  # Gemma
+    embedding_multiplier = raw["hidden_size"] ** 0.5 if family.embedding_scale else raw.get("embedding_multiplier", 1.0)
     windows = _layer_windows(raw)
     uniform = None if windows is None or len(set(windows)) > 1 else windows[0]
     return ModelConfig(
@@ -98,7 +99,7 @@ def _config(raw: dict) -> ModelConfig:
         attention_scale=raw.get("attention_multiplier") or (None if scalar is None else scalar**-0.5),
         attention_softcap=raw.get("attn_logit_softcapping"),
         final_logit_softcap=raw.get("final_logit_softcapping"),
-        embedding_multiplier=raw["hidden_size"] ** 0.5 if family.embedding_scale else raw.get("embedding_multiplier", 1.0),
+        embedding_multiplier=embedding_multiplier,
         residual_multiplier=raw.get("residual_multiplier", 1.0),
         logits_divisor=raw.get("logits_scaling", 1.0),
         moe=_moe(raw),

@@ -103,8 +103,9 @@ class AttentionPlan:
             offsets.append(start)
             start += s.num_new
         pairs = list(zip(offsets, slices))
-        self.eager = [(o, s.num_new, s.context_slots.to(device), _causal_mask(s, device)) for o, s in pairs] if eager else None
+        self.eager = None
         if eager:
+            self.eager = [(o, s.num_new, s.context_slots.to(device), _causal_mask(s, device)) for o, s in pairs]
             use_kernel, pairs = False, []
         taken = [(o, s) for o, s in pairs if use_kernel and s.num_new <= KERNEL_MAX_QUERIES]
         self.kernel = _KernelArgs(taken) if taken else None
