@@ -166,7 +166,7 @@ def test_bf16_chat_and_prefix_hits_equal_single_node(pair_bf16, single_bf16, tok
     by both transports, so each asks questions of its own. (Not covered, and not promised in
     bf16: a follow-up turn whose history holds an earlier *answer*. The decode node computed
     those positions one token at a time, the prefill node recomputes them as a prompt chunk, and
-    below fp32 the two round differently; README "dtypes".)"""
+    below fp32 the two round differently; docs/models.md "dtypes".)"""
     dn, _ = pair_bf16
 
     def chat(continent: str) -> list[int]:

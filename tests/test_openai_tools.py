@@ -300,7 +300,7 @@ def test_an_openai_agents_sdk_agent_completes_a_one_tool_task(keyed, model_name)
 
 
 def test_a_grpc_client_forces_a_call_with_guided_json_schema(keyed):
-    """README "Over gRPC": the tools go in the prompt, the arguments' schema in guided."""
+    """docs/openai.md "Over gRPC": the tools go in the prompt, the arguments' schema in guided."""
     dn, _, _, _ = keyed
     request = pb.GenerateRequest(
         messages=[pb.ChatMessage(role="user", content=ASK[0]["content"])],

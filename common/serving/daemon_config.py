@@ -156,7 +156,7 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    help="keep the trace events of the N most recent requests (default %(default)s)")
     p.add_argument("--kv-events-endpoint", default="", metavar="tcp://HOST:PORT",
                    help="publish the prefix cache's stores and removals as vLLM's KV events on this ZMQ PUB "
-                   "endpoint, for the inference gateway's prefix-cache scorer (README \"Behind the Kubernetes "
+                   "endpoint, for the inference gateway's prefix-cache scorer (docs/operations.md \"Behind the Kubernetes "
                    "inference gateway\"; default: off)")
     p.add_argument("--kv-events-topic", default="", metavar="TOPIC",
                    help="their topic (default: kv@<advertise host>:<HTTP port, else gRPC port>@<served model name>)")
