@@ -34,6 +34,7 @@ from common.errors import FailedPrecondition, InvalidArgument, NotFound, Request
 from common.kv.segments import Segments, slot_range
 from common.peers.decode_peers import DecodePeer
 from common.peers.kv_writer import KvWriter
+from common.peers.peer_status import STALLED, STREAM_BROKEN
 from common.serving.incarnation import INCARNATION
 from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto
 from common.tracing import Tracer
@@ -48,9 +49,6 @@ log = logging.getLogger(__name__)
 
 PREPARE_TIMEOUT_S = 5.0  # a target that cannot reserve by then is full: the request decodes on here
 
-# The target's stream broke without an answer of its own: the target (or the way to it) is gone.
-_TARGET_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
 
 def sample_request_id(request_id: str, index: int, position: int) -> str:
@@ -240,7 +238,7 @@ class Migrations:
             code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
             if m.aborted:
                 self._end(m, "aborted", resume=False)
-            elif code in _TARGET_GONE:
+            elif code in STREAM_BROKEN | STALLED:  # no answer of the target's own: it (or the way to it) is gone
                 log.warning("migration target failed mid-stream: resuming here", extra={"fields": {
                     "request_id": m.entry.request_id, "target": m.target, "code": code.name}})
                 self._end(m, "resumed", resume=True)

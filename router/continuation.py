@@ -9,16 +9,7 @@ come out as an uninterrupted run's, and the final usage counts every token once.
 """
 from __future__ import annotations
 
-import grpc
-
 from protos.duet.v1 import duet_pb2 as pb
-
-# A stream that breaks with these may be the decode node dying (or the way to it): UNAVAILABLE is
-# what a killed node's client sees ("Stream removed (Socket closed)"); INTERNAL and UNKNOWN are how
-# a stream reset (RST_STREAM, a proxy dropping it) can read. They may also be the node's own
-# verdict on the request, so the router asks the node whether it is still there before taking
-# them for a crash (`Router._node_gone`).
-NODE_GONE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 class Relayed:

@@ -24,12 +24,13 @@ from common.errors import Unavailable
 from common.model.tokenizer import Tokenizer
 from common.peers.hand_off import hand_off, worth_remote
 from common.peers.membership import Member, Membership
+from common.peers.peer_status import STREAM_BROKEN
 from common.peers.prefill_pool import PrefillPool
 from common.peers.routing import Choice, NodeChooser
 from common.serving.prompts import prompt_token_ids
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
-from router.continuation import NODE_GONE_CODES, Relayed
+from router.continuation import Relayed
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class Router:
         is taken as gone; INTERNAL or UNKNOWN (a reset stream) only when the node does not answer
         GetLoad now either."""
         code = exc.code()
-        if code not in NODE_GONE_CODES:
+        if code not in STREAM_BROKEN:
             return False
         if code == grpc.StatusCode.UNAVAILABLE:
             return True

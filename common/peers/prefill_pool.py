@@ -19,16 +19,13 @@ import grpc
 from common.peers.kv_index import KvIndex
 from common.peers.kv_watch import KvWatch
 from common.peers.membership import Membership
+from common.peers.peer_status import REQUEST_FAULT
 from common.peers.routing import NodeChooser, RoutingPolicy
 from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-_FINAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
-          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)
-
 
 class PrefillPool(Membership[duet_pb2_grpc.PrefillNodeStub]):
     def __init__(self, addresses: list[str] = (), poll_seconds: float = 1.0, timeout_s: float = 30.0,
@@ -69,7 +66,7 @@ class PrefillPool(Membership[duet_pb2_grpc.PrefillNodeStub]):
                 log.warning("remote prefill failed", extra={"fields": {
                     "prefill": member.address, "request_id": request.request_id, "code": exc.code().name,
                     "details": exc.details()}})
-                if exc.code() in _FINAL:
+                if exc.code() in REQUEST_FAULT:
                     return None
                 self.mark_failed(member)
             finally:
