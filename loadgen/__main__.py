@@ -31,8 +31,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
         description="Send a workload to duet.v1.DecodeNode/Generate or to any OpenAI-compatible HTTP server, "
         "stream every answer, and report throughput, TTFT / TPOT / ITL / E2E latency and goodput.",
     )
-    p.add_argument("--target", required=True, metavar="HOST:PORT|http(s)://HOST:PORT",
-                   help="a decode node or a router (duet gRPC), or an OpenAI-compatible server (http:// or https://)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", metavar="HOST:PORT|http(s)://HOST:PORT",
+                       help="a decode node or a router (duet gRPC), or an OpenAI-compatible server "
+                       "(http:// or https://)")
+    where.add_argument("--targets", metavar="HOST:PORT,HOST:PORT,...",
+                       help="duet gRPC targets (e.g. two routers): requests go to the first; one whose target "
+                       "becomes UNAVAILABLE goes on at the next with the tokens it has received")
     p.add_argument("--endpoint", choices=OPENAI_ENDPOINTS, default=None,
                    help="HTTP targets: the API to call (default /v1/completions); /v1/chat/completions sends every "
                    "prompt as a chat message, over gRPC too, so --compare runs the same requests")
@@ -89,9 +94,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
                    help="another node to fetch --trace events from, e.g. a prefill node (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = p.parse_args(argv)
+    targets = a.targets.split(",") if a.targets else [a.target]
+    if a.targets and (len(targets) < 2 or not all(targets) or any(is_http_target(t) for t in targets)):
+        p.error(f"--targets {a.targets}: give two or more duet gRPC HOST:PORT, comma-separated")
     try:
         config = BenchmarkConfig(
-            target=a.target, num_requests=a.num_requests, request_rate=a.request_rate, burstiness=a.burstiness,
+            target=targets[0], fallbacks=tuple(targets[1:]), num_requests=a.num_requests,
+            request_rate=a.request_rate, burstiness=a.burstiness,
             max_concurrency=a.max_concurrency, dataset=a.dataset, input_len=a.input_len, output_len=a.output_len,
             range_ratio=a.range_ratio, num_prefix_groups=a.num_prefix_groups, prefix_len=a.prefix_len,
             ignore_eos=a.ignore_eos, seed=a.seed, timeout=a.timeout, goodput=dict(a.goodput), label=a.label,
@@ -102,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
         p.error(str(exc))
     if a.trace and config.is_http:
         p.error("--trace fetches traces over duet's gRPC: give --target as HOST:PORT")
-    if a.model and not any(is_http_target(t) for t in (a.target, a.compare or "")):
+    if a.model and not any(is_http_target(t) for t in (config.target, a.compare or "")):
         p.error("--model applies to http(s):// targets only")
     return config, a
 
@@ -114,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run_benchmark(config, progress)
     compare = None
     if a.compare:
-        compare = run_benchmark(dataclasses.replace(config, target=a.compare, label=a.compare_label), progress)
+        compare = run_benchmark(dataclasses.replace(config, target=a.compare, fallbacks=(), label=a.compare_label),
+                                progress)
     print(format_table(result, compare), flush=True)
     if a.output:
         write_json(a.output, result, compare)

@@ -30,6 +30,9 @@ def is_http_target(target: str) -> bool:
 @dataclass(frozen=True)
 class BenchmarkConfig:
     target: str  # host:port serving duet.v1.DecodeNode/Generate, or http(s)://host:port (OpenAI API)
+    # gRPC targets a request moves to, in order, when the one serving it becomes UNAVAILABLE
+    # (`--targets A,B`): it goes on there with the tokens it has received (a Continuation).
+    fallbacks: tuple[str, ...] = ()
     num_requests: int = 64
     request_rate: float = math.inf  # requests per second; inf = all at once
     burstiness: float = 1.0  # gamma shape of the inter-arrival times; 1 = Poisson
@@ -67,6 +70,8 @@ class BenchmarkConfig:
             raise ValueError("--range-ratio must be in [0, 1)")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError("--timeout must be > 0")
+        if self.fallbacks and any(is_http_target(t) for t in (self.target, *self.fallbacks)):
+            raise ValueError("--targets are duet gRPC HOST:PORT (a request continues on the next with a Continuation)")
         unknown = set(self.goodput) - set(SLO_METRICS)
         if unknown:
             raise ValueError(f"--goodput: unknown metric(s) {sorted(unknown)}; use {', '.join(SLO_METRICS)}")

@@ -24,22 +24,32 @@ def generate_request(request_id: str, sample: SampleRequest, ignore_eos: bool) -
     return pb.GenerateRequest(request_id=request_id, messages=messages, sampling=sampling)
 
 
+def continued(request: pb.GenerateRequest, received: list[int]) -> pb.GenerateRequest:
+    """`request` asked again for what follows the `received` tokens (its one sample's)."""
+    again = pb.GenerateRequest()
+    again.CopyFrom(request)
+    again.continuation.CopyFrom(pb.Continuation(samples=[pb.SampleContinuation(index=0, generated_token_ids=received)]))
+    return again
+
+
 class GrpcTarget:
-    """A decode node or router over gRPC, for one run (`async with GrpcTarget(config) as t: await t.send(...)`)."""
+    """A decode node or router over gRPC, for one run (`async with GrpcTarget(config) as t: await t.send(...)`);
+    with `config.fallbacks`, the next one takes a request over when its target becomes UNAVAILABLE."""
 
     def __init__(self, config: BenchmarkConfig) -> None:
         self.config = config
         self.model: str | None = None  # gRPC does not name the model
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self._channel = grpc.aio.insecure_channel(config.target, options=options)
-        self._stub = duet_pb2_grpc.DecodeNodeStub(self._channel)
+        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in (config.target, *config.fallbacks)]
+        self._stubs = [duet_pb2_grpc.DecodeNodeStub(channel) for channel in self._channels]
 
     async def __aenter__(self) -> GrpcTarget:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def send(self, index: int, request_id: str, sample: SampleRequest, *, origin: float,
                    arrival: float) -> RequestResult:
@@ -51,18 +61,24 @@ class GrpcTarget:
         texts: list[str] = []
         final: pb.GenerationChunk | None = None
         status, error = OK, ""
-        try:
-            async for chunk in self._stub.Generate(request, timeout=self.config.timeout):
-                if chunk.token_ids:
-                    clock.tick(time.perf_counter())
-                    ids.extend(chunk.token_ids)
-                texts.append(chunk.text)
-                if chunk.finish_reason:
-                    final = chunk
-        except grpc.aio.AioRpcError as exc:
-            status, error = exc.code().name, exc.details() or ""
-        except Exception as exc:  # anything else that ends the call is reported, not raised
-            status, error = type(exc).__name__, str(exc)
+        for attempt, stub in enumerate(self._stubs):
+            try:
+                async for chunk in stub.Generate(continued(request, ids) if ids else request,
+                                                 timeout=self.config.timeout):
+                    if chunk.token_ids:
+                        clock.tick(time.perf_counter())
+                        ids.extend(chunk.token_ids)
+                    texts.append(chunk.text)
+                    if chunk.finish_reason:
+                        final = chunk
+            except grpc.aio.AioRpcError as exc:
+                status, error = exc.code().name, exc.details() or ""
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and final is None and attempt + 1 < len(self._stubs):
+                    status, error = OK, ""  # the next target goes on from the tokens received
+                    continue
+            except Exception as exc:  # anything else that ends the call is reported, not raised
+                status, error = type(exc).__name__, str(exc)
+            break
         end = time.perf_counter()
         if status == OK and final is None:
             status, error = "INCOMPLETE", "the stream ended without a finish_reason"

@@ -25,12 +25,26 @@ class Relayed:
         # Usage's cached_tokens for a continuation: the prompt tokens the router believed the first
         # node held (the node reports the true count only in the final chunk, which never came).
         self.cached_tokens = 0
+        self.resumed = False  # the client brought a continuation: it holds chunks of another router's
+        self._finished_before = 0  # tokens of the samples it had received whole
+
+    @classmethod
+    def resuming(cls, sampling: pb.SamplingParams, continuation: pb.Continuation) -> Relayed:
+        """A stream whose client received part of it from another router (which went away) and
+        asks for the rest with what it holds: `continuation`'s samples go on, the others are done."""
+        relayed = cls(sampling)
+        relayed._tokens |= {s.index: list(s.generated_token_ids) for s in continuation.samples}
+        relayed._finished = set(range(relayed._n)) - {s.index for s in continuation.samples}
+        relayed.cached_tokens = continuation.cached_tokens
+        relayed._finished_before = continuation.finished_completion_tokens
+        relayed.resumed = True
+        return relayed
 
     @property
     def started(self) -> bool:
         """Whether the client has received anything: a break now is continued, not re-issued
         (a re-issue would send the first chunk, prompt logprobs included, a second time)."""
-        return self.chunks > 0
+        return self.chunks > 0 or self.resumed
 
     @property
     def done(self) -> bool:
@@ -55,7 +69,7 @@ class Relayed:
         return pb.Continuation(
             samples=[pb.SampleContinuation(index=i, generated_token_ids=self._tokens[i]) for i in self.unfinished],
             cached_tokens=self.cached_tokens,
-            finished_completion_tokens=sum(len(self._tokens[i]) for i in self._finished))
+            finished_completion_tokens=self._finished_before + sum(len(self._tokens[i]) for i in self._finished))
 
     def continue_request(self, request_id: str, prompt: list[int], sampling: pb.SamplingParams) -> pb.GenerateRequest:
         """The Generate request that continues this stream on another decode node: the original

@@ -14,6 +14,7 @@ already received (router/continuation.py), up to `migration_limit` times per req
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -35,6 +36,9 @@ from router.continuation import Relayed
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 1.0  # for a decode node whose stream broke with INTERNAL or UNKNOWN to answer GetLoad
+# A client continuation may name a request still live on its decode node: the stream of the router
+# the client lost, which that node has not yet seen end. It waits this long for the node to let go.
+SETTLE_S = 3.0
 
 
 class Router:
@@ -77,8 +81,10 @@ class Router:
         waits for the next poll to find one, as long as that."""
         tokens = prompt_token_ids(request, self.tokenizer)
         rid = request.request_id or uuid.uuid4().hex
-        relayed = Relayed(request.sampling)
+        relayed = (Relayed.resuming(request.sampling, request.continuation) if request.HasField("continuation")
+                   else Relayed(request.sampling))
         tried: set[str] = set()  # each decode node serves a request once
+        settle_until = time.monotonic() + SETTLE_S
         choices = self._candidates(tokens, tried)
         if not choices:
             wait_s = self.decode.poll_wait_s if deadline_s is None else min(deadline_s, self.decode.poll_wait_s)
@@ -104,6 +110,10 @@ class Router:
                 self.expected_hits.inc(choice.cached_tokens)
                 return
             except grpc.RpcError as exc:
+                if (relayed.resumed and not relayed.chunks and exc.code() == grpc.StatusCode.ALREADY_EXISTS
+                        and time.monotonic() < settle_until):
+                    time.sleep(0.05)  # the stream of the router the client lost still winds down there
+                    continue
                 if not self._node_gone(dn, exc):
                     raise
                 self.decode.mark_failed(dn)

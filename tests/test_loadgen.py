@@ -316,6 +316,11 @@ def test_grpc_only_flags_are_refused_for_http_targets_and_vice_versa():
     assert done.returncode == 2 and "--trace" in done.stderr
     done = loadgen("--target", "127.0.0.1:1", "--model", "m")
     assert done.returncode == 2 and "http(s):// targets only" in done.stderr
+    for targets in ("127.0.0.1:1", "127.0.0.1:1,", "http://127.0.0.1:1,127.0.0.1:2"):
+        done = loadgen("--targets", targets)
+        assert done.returncode == 2 and "give two or more duet gRPC HOST:PORT" in done.stderr, targets
+    done = loadgen("--targets", "127.0.0.1:1,127.0.0.1:2", "--target", "127.0.0.1:3")
+    assert done.returncode == 2 and "not allowed with argument" in done.stderr
 
 
 def test_labels_name_the_runs_in_table_json_and_plot(node, tmp_path):

@@ -70,3 +70,62 @@ def test_prefill_node_killed_while_requests_run(cluster, model):
         p1.proc.send_signal(signal.SIGKILL)
         results = [f.result() for f in futures]
     assert results == expected
+
+
+def test_a_killed_routers_clients_go_on_at_the_other_router(cluster, model, tmp_path):
+    """A router that dies ends its streams with UNAVAILABLE at once; a client that asks another
+    router for the rest with the tokens it holds (a Continuation) gets the completion an
+    unbroken stream gives, and loadgen --targets does so for a whole run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import grpc
+
+    from loadgen.config import BenchmarkConfig
+    from loadgen.runner import run_benchmark
+
+    _, dn, _, _, members = cluster
+    flags = ("--members", str(members), "--poll-seconds", "0.2", "--min-remote-prefill-tokens", "8")
+    with router(tmp_path, *flags) as other:
+        with router(tmp_path, *flags) as doomed:
+            prompt = random_ids(60, 7)
+            request = pb.GenerateRequest(request_id="cut", token_ids=prompt,
+                                         sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True))
+            received, stream = [], doomed.stub.Generate(request, timeout=300)
+            for chunk in stream:
+                received += chunk.token_ids
+                if len(received) >= 5:
+                    break
+            doomed.proc.send_signal(signal.SIGKILL)
+            cut = time.monotonic()
+            with pytest.raises(grpc.RpcError) as broken:
+                for chunk in stream:
+                    received += chunk.token_ids
+            assert broken.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - cut < 5.0
+        request.continuation.CopyFrom(pb.Continuation(samples=[pb.SampleContinuation(
+            index=0, generated_token_ids=received)]))
+        rest = [t for chunk in other.stub.Generate(request, timeout=300) for t in chunk.token_ids]
+        assert received + rest == engine_greedy(model, prompt, 40)
+
+        workload = ("--num-requests", "4", "--max-concurrency", "2", "--input-len", "24", "--output-len", "32",
+                    "--seed", "3")
+        reference = run_benchmark(BenchmarkConfig(target=other.address, num_requests=4, max_concurrency=2,
+                                                  input_len=24, output_len=32, seed=3), progress=None)
+        with router(tmp_path, *flags) as doomed:
+            run = subprocess.Popen(
+                [sys.executable, "-m", "loadgen", "--no-progress", "--targets", f"{doomed.address},{other.address}",
+                 *workload, "--output", str(tmp_path / "retried.json")],
+                cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                started = dn.metrics().get("duet_ttft_seconds_count", 0)
+                wait_for(lambda: dn.metrics().get("duet_ttft_seconds_count", 0) >= started + 2)  # streams under way
+                doomed.proc.send_signal(signal.SIGKILL)
+                _, stderr = run.communicate(timeout=120)
+            finally:
+                if run.poll() is None:
+                    run.kill()
+    assert run.returncode == 0, stderr
+    retried = json.loads((tmp_path / "retried.json").read_text())
+    assert retried["summary"]["completed"] == 4
+    assert {r["index"]: r["text"] for r in retried["requests"]} == {r.index: r.text for r in reference.requests}
