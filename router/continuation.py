@@ -9,6 +9,7 @@ come out as an uninterrupted run's, and the final usage counts every token once.
 """
 from __future__ import annotations
 
+from common.errors import InvalidArgument
 from protos.duet.v1 import duet_pb2 as pb
 
 
@@ -33,6 +34,10 @@ class Relayed:
         """A stream whose client received part of it from another router (which went away) and
         asks for the rest with what it holds: `continuation`'s samples go on, the others are done."""
         relayed = cls(sampling)
+        indices = [s.index for s in continuation.samples]
+        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < relayed._n for i in indices):
+            raise InvalidArgument(f"continuation.samples: indices {indices} must be one or more, distinct, "
+                                  f"in [0, n={relayed._n})")
         relayed._tokens |= {s.index: list(s.generated_token_ids) for s in continuation.samples}
         relayed._finished = set(range(relayed._n)) - {s.index for s in continuation.samples}
         relayed.cached_tokens = continuation.cached_tokens

@@ -72,6 +72,18 @@ def test_prefill_node_killed_while_requests_run(cluster, model):
     assert results == expected
 
 
+def test_a_malformed_client_continuation_is_refused(cluster):
+    import grpc
+
+    rt = cluster[0]
+    for indices in ([], [1], [0, 0]):
+        request = pb.GenerateRequest(token_ids=random_ids(20, 1), sampling=pb.SamplingParams(max_tokens=8))
+        request.continuation.CopyFrom(pb.Continuation(samples=[pb.SampleContinuation(index=i) for i in indices]))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(rt.stub.Generate(request, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "continuation.samples" in refused.value.details()
+
+
 def test_a_killed_routers_clients_go_on_at_the_other_router(cluster, model, tmp_path):
     """A router that dies ends its streams with UNAVAILABLE at once; a client that asks another
     router for the rest with the tokens it holds (a Continuation) gets the completion an
