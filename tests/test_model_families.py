@@ -58,14 +58,17 @@ HYBRID = {"gemma2", "gemma3_text", "gpt_oss"}  # sliding and full layers mixed
 MOE = {"mixtral", "qwen3_moe", "gpt_oss"}
 
 
-def _save(name: str, path: Path):
-    """The family's tiny random model, saved with a word-level tokenizer.json; returned in eval mode.
-    Norm weights, biases and sinks are drawn too (random init leaves them at 0 or 1, where a
-    misplaced `1 +` or a dropped bias would not show)."""
+def _save(name: str, path: Path, **overrides):
+    """The family's tiny random model (config values `overrides` changed), saved with a word-level
+    tokenizer.json; returned in eval mode. Norm weights, biases and sinks are drawn too (random
+    init leaves them at 0 or 1, where a misplaced `1 +` or a dropped bias would not show)."""
     from tokenizers import Tokenizer, models
 
     torch.manual_seed(1)
-    hf = transformers.AutoModelForCausalLM.from_config(_configs()[name](), attn_implementation="eager").eval()
+    config = _configs()[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for param_name, param in hf.named_parameters():
             if "norm" in param_name or param_name.endswith(("bias", "sinks")):
@@ -211,6 +214,24 @@ def test_hand_off_matches_transformers(name, transport, tmp_path):
         if name in HYBRID:
             _check_windowed_hand_off(dn, pn, hf)
         assert no_leak(dn) and no_leak(pn)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_bf16_hand_off_equals_one_node_where_the_prefill_kernel_takes_every_layer(name, tmp_path):
+    """bf16, head_dim 64, full attention: the prefill node chunking the prompt 24 tokens at a time,
+    the decode node alone computing it in one chunk, give the same tokens (docs/models.md)."""
+    _save(name, tmp_path / "model", hidden_size=256, head_dim=64)
+    flags = ("--dtype", "bfloat16", "--model", str(tmp_path / "model"), "--transport", "tcp", "--threads", "1",
+             "--page-size", "4")
+    prompts = [_prompt(seed, 70) for seed in range(30, 36)]
+    with Started(tmp_path) as s:
+        alone = s.spawn("decode_node", *flags)
+        s.wait()
+        reference = [_generate(alone, f"alone-{i}", p, 16) for i, p in enumerate(prompts)]
+    with started_pair(tmp_path, (*flags, "--max-batch-tokens", "24"),
+                      (*flags, "--min-remote-prefill-tokens", "1")) as (dn, pn):
+        assert [_generate(dn, f"handed-{i}", p, 16) for i, p in enumerate(prompts)] == reference
+        assert pn.metrics()["duet_prefill_computed_tokens_total"] == len(prompts) * 69
 
 
 def _generate(dn, request_id: str, prompt: list[int], n: int = 12) -> list[int]:
