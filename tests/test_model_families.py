@@ -331,6 +331,23 @@ def test_hybrid_request_migrates_mid_stream(name, transport, tmp_path):
         assert no_leak(a) and no_leak(b)
 
 
+def test_partial_rotary_factor_matches_transformers(tmp_path):
+    """Phi-3 with `partial_rotary_factor` 0.5 (as Phi-4-mini has 0.75): rope turns the first half
+    of each head only, which changes the output, and matches transformers."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hf = _save("phi3", tmp_path, rope_parameters=rope)
+    ckpt = load_checkpoint(tmp_path)
+    model = DecoderModel(ckpt)
+    assert model.config.rotary_dim == 8
+    ids = _prompt(17, 60)
+    with torch.no_grad():
+        reference = hf(torch.tensor([ids])).logits[0]
+    assert (full_logits(model, ids) - reference).abs().max().item() <= 1e-4
+    whole = DecoderModel(replace(ckpt, config=replace(ckpt.config, partial_rotary_factor=1.0)))
+    assert (full_logits(whole, ids) - reference).abs().max().item() > 1e-2
+    assert engine_greedy(model, ids[:20], 12, page_size=4) == hf_greedy(hf, ids[:20], 12)
+
+
 def test_qwen3_gguf_loads_as_its_hugging_face_directory(tmp_path):
     """A Qwen3 GGUF (llama.cpp's tensor and key names, written here from the tiny checkpoint)
     loads to the same model: greedy tokens identical to transformers."""

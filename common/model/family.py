@@ -46,11 +46,6 @@ class Family:
     # Values the family's config.json may leave out (transformers' config class defaults them).
     config_defaults: dict = field(default_factory=dict)
 
-    @property
-    def sandwich(self) -> bool:
-        """Whether attention's and the MLP's outputs are normalised before the residual add."""
-        return "attn_out" in self.norms
-
 
 def _split_phi3(tensors: dict[str, torch.Tensor], raw: dict) -> dict[str, torch.Tensor]:
     """Phi-3's `qkv_proj` and `gate_up_proj` as the separate projections of Llama."""
