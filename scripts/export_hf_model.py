@@ -18,7 +18,8 @@ from common.model.gguf_loader import load_gguf
 from common.model.config import ModelConfig
 from common.model.tokenizer import load_tokenizer
 
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}  # what a GGUF file loads as (common/model/gguf_loader.py)
 
 
 def hf_config(config: ModelConfig, bos_token_id: int | None, eos_token_id: int) -> dict:
