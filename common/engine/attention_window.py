@@ -22,6 +22,7 @@ import torch
 from common.kv.segments import RELEASED
 from common.model.checkpoint import Checkpoint
 from common.model.config import ModelConfig
+from common.model.paged_attention import window_keys, window_mask
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,11 @@ class AttentionWindow:
     def context_positions(self, first_query: int, end: int) -> torch.Tensor:
         """Ascending key positions that queries at `[first_query, end)` attend: the sinks, then
         `[first_needed(first_query), end)`."""
-        low = self.first_needed(first_query)
-        return torch.cat([torch.arange(min(self.sinks, low)), torch.arange(low, end)])
+        return window_keys(first_query, end, self.size, self.sinks)
 
     def mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """`[queries, keys]` bool: True where the query attends the key."""
-        q, k = query_positions[:, None], key_positions[None, :]
-        return (k <= q) & ((k > q - self.size) | (k < self.sinks))
+        return window_mask(query_positions, key_positions, self.size, self.sinks)
 
     def transfer_begin(self, matched: int, end: int) -> int:
         """The first position a writer must send to a sequence that holds `matched` cached

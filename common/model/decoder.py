@@ -68,6 +68,7 @@ class DecoderModel:
         # largest product of every step.
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights.put(weights.tensors["lm_head.weight"]))
         self.layers = [weights.layer(i) for i in range(cfg.num_layers)]
+        self.windows = {layer["window"] for layer in self.layers}  # None: full attention
         self.attention_scale = cfg.attention_scale or cfg.head_dim**-0.5
         # Soft-capped scores and sinks are computed as transformers' eager attention does.
         self.eager_attention = cfg.attention_softcap is not None or any("sinks" in layer for layer in self.layers)
@@ -145,7 +146,7 @@ class DecoderModel:
     def _plans(self, batch: ForwardBatch) -> dict[int | None, AttentionPlan]:
         """One attention plan per window the layers use (None: the batch's slices as given)."""
         plans = {}
-        for window in {layer["window"] for layer in self.layers}:
+        for window in self.windows:
             slices = batch.slices if window is None or self.config.layer_windows is None else [
                 within_window(s, window) for s in batch.slices]
             plans[window] = AttentionPlan(slices, self.device, self.attention_kernel, self.eager_attention)

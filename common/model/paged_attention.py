@@ -80,15 +80,28 @@ class _KernelArgs:
         self.mask_at = torch.tensor(mask_at, dtype=torch.long)
 
 
+def window_keys(first_query: int, end: int, size: int, sinks: int = 0) -> torch.Tensor:
+    """Ascending key positions that queries at `[first_query, end)` attend under a sliding window
+    of `size` (a query at i: keys in (i - size, i]) with `sinks` leading positions every query
+    attends too: the sinks, then `[first_query - size + 1, end)`."""
+    low = max(0, first_query - size + 1)
+    return torch.cat([torch.arange(min(sinks, low)), torch.arange(low, end)])
+
+
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, size: int, sinks: int = 0) -> torch.Tensor:
+    """`[queries, keys]` bool: True where a query attends a key under that window and sinks."""
+    q, k = query_positions[:, None], key_positions[None, :]
+    return (k <= q) & ((k > q - size) | (k < sinks))
+
+
 def within_window(s: SequenceSlice, window: int) -> SequenceSlice:
-    """A causal slice over its whole context as a layer with a sliding `window` attends it: a
-    query at position i reads keys in (i - window, i] (a hybrid model's sliding layers)."""
+    """A causal slice over its whole context as a layer with a sliding `window` attends it (a
+    hybrid model's sliding layers)."""
     assert s.mask is None, "a slice with its own mask is already windowed"
     first_query = s.context_len - s.num_new
-    low = max(0, first_query - window + 1)
-    keys = torch.arange(low, s.context_len)[None, :]
-    queries = torch.arange(first_query, s.context_len)[:, None]
-    return SequenceSlice(s.num_new, s.context_slots[low:], (keys <= queries) & (keys > queries - window))
+    keys = window_keys(first_query, s.context_len, window)
+    return SequenceSlice(s.num_new, s.context_slots[keys],
+                         window_mask(torch.arange(first_query, s.context_len), keys, window))
 
 
 class AttentionPlan:
