@@ -23,10 +23,10 @@ from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, No
 from common.kv.segments import Segments, slot_range
 from common.peers.hand_off import hand_off
 from common.peers.prefill_pool import PrefillPool
+from common.serving.kv_tiers import KvTiers
 from common.tracing import Tracer
 from decode_node.admission import Admission
 from decode_node.config import DecodeNodeConfig
-from decode_node.metrics import DecodeMetrics
 from decode_node.migration import sample_request_id
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
 from protos.duet.v1 import duet_pb2 as pb
@@ -34,7 +34,7 @@ from protos.duet.v1 import duet_pb2 as pb
 
 class HandOff:
     def __init__(self, config: DecodeNodeConfig, engine: Engine, scheduler: Scheduler, requests: RequestTable,
-                 admission: Admission, prefill_pool: PrefillPool, metrics: DecodeMetrics, tracer: Tracer,
+                 admission: Admission, prefill_pool: PrefillPool, tiers: KvTiers, tracer: Tracer,
                  check_prompt: Callable[[Seq[int]], list[int]]) -> None:
         self.config = config
         self.engine = engine
@@ -42,7 +42,7 @@ class HandOff:
         self.requests = requests
         self.admission = admission
         self.prefill_pool = prefill_pool
-        self.metrics = metrics
+        self.tiers = tiers
         self.tracer = tracer
         self._check_prompt = check_prompt
 
@@ -88,6 +88,7 @@ class HandOff:
         if not 0 <= resolved < n:
             raise InvalidArgument(f"kv_window_end {end} resolves to {resolved}, outside [0, {n}) for a "
                                   f"{n}-token prompt (the decode node computes at least the last token)")
+        read_back = self.tiers.read_back(request_id, tokens[:resolved])
         with self.engine.lock:
             entry = self.new_request(request_id)
             try:
@@ -107,7 +108,7 @@ class HandOff:
                 self.requests.move(entry, Status.RECEIVED)
         self.tracer.event(request_id, "prefix_matched", matched_tokens=matched, prompt_tokens=n)
         self.tracer.event(request_id, "pages_reserved", pages=len(seq.held_pages), slots=segments.num_slots)
-        self.metrics.prefix_hit_tokens.inc(matched)
+        self.tiers.served(resolved, min(matched, resolved), read_back)
         return pb.PrepareReceiveResponse(
             prompt_length=n, prefix_matched_length=matched, kv_window_begin=begin, kv_window_end=resolved,
             kv_append_metadata=segments.to_wire(), lease_deadline_unix=lease_deadline,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine.core import Engine
-from common.serving.pool_metrics import prefix_hit_counter, register_gateway_gauges, register_pool_gauges
+from common.serving.pool_metrics import register_gateway_gauges, register_pool_gauges
 from common.transports.metrics import TransferMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -31,7 +31,6 @@ class DecodeMetrics:
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefix_hit_tokens = prefix_hit_counter(r)
         Gauge("duet_kv_pages_quarantined", "Pages of expired or aborted reservations kept from reuse while "
               "their one-sided writer may still write them", registry=r).set_function(
             quarantined_pages)

@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 from common.daemon_limits import check_prompt, check_request_id
 from common.engine.core import Engine, Sequence
 from common.engine.generation import Continuation, RequestHandle
+from common.engine.kv_offload import ReadBack
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -27,6 +28,7 @@ from common.peers.kv_writer import KvWriter
 from common.peers.prefill_pool import PrefillPool
 from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import INCARNATION
+from common.serving.kv_tiers import KvTiers
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
 from common.transports import open_sender
@@ -61,6 +63,7 @@ class DecodeNode:
                                      running=lambda: self.requests.counts()[Status.RUNNING],
                                      waiting=lambda: sum(self.requests.counts()[s] for s in WAITING_STATUSES))
         self.scheduler.speculator.observers.append(self.metrics.observe_speculation)
+        self.tiers = KvTiers(config, self.engine, self.tracer, self.metrics.registry)
         self.admission = Admission(
             config, self.engine, running=self.requests.admitted,
             admitted_tokens=lambda: self.scheduler.total_tokens() + self.requests.reserved_tokens(),
@@ -74,7 +77,7 @@ class DecodeNode:
                                   fingerprint_of(model, self.engine.pool), config.advertise_address, config.tls)
         self.prefill_pool.on_load = lambda member: self.writers.seen_run(member.address, member.load.incarnation)
         self.hand_off = HandOff(config, self.engine, self.scheduler, self.requests, self.admission,
-                                self.prefill_pool, self.metrics, self.tracer, self._check_prompt)
+                                self.prefill_pool, self.tiers, self.tracer, self._check_prompt)
         self.migrations = Migrations(config, self.engine, self.scheduler, self.requests, self.kv_writer,
                                      self.metrics, self.tracer)
         self.draining = False  # new requests are refused: the running ones move to --drain-to nodes
@@ -89,6 +92,7 @@ class DecodeNode:
         self.prefill_pool.close()
         self._sweeper.stop()
         self.scheduler.stop()
+        self.tiers.close()
         self.requests.end_all()
         self.kv_writer.close()
         self.writers.close()
@@ -180,6 +184,7 @@ class DecodeNode:
         if continuation is not None:
             return self._continue(request_id, tokens, params, sampling, continuation)
         scoring = params.prompt_logprobs is not None
+        read_back = self.tiers.read_back(request_id, tokens[:-1]) if not scoring else ReadBack()
         with self.engine.lock:
             self.admission.check_room()
             cached = self.engine.prefix_cache.matched_length(tokens[:-1])
@@ -200,7 +205,7 @@ class DecodeNode:
                 self.requests.move(entry, Status.ABORTED)
                 raise
             self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
-            self.metrics.prefix_hit_tokens.inc(seq.num_computed)
+            self.tiers.served(len(tokens), seq.num_computed, read_back)
             entry.sampling = sampling
             self.requests.move(entry, Status.RUNNING)
             return self.scheduler.submit(request_id, seq, params)
@@ -209,6 +214,7 @@ class DecodeNode:
                   continuation: Continuation) -> RequestHandle:
         """Continue each sample of `continuation` from its prompt and output, computed here."""
         contexts = [self._check_prompt(prompt + list(s.generated)) for s in continuation.samples]
+        read_backs = [self.tiers.read_back(request_id, tokens[:-1]) for tokens in contexts]
         with self.engine.lock:
             entry = self.hand_off.new_request(request_id)
             try:
@@ -218,7 +224,8 @@ class DecodeNode:
                 raise
             seqs = [self.engine.new_sequence(f"{request_id}#{s.index}", tokens)
                     for s, tokens in zip(continuation.samples, contexts)]
-            self.metrics.prefix_hit_tokens.inc(sum(seq.num_computed for seq in seqs))
+            for seq, read_back in zip(seqs, read_backs):
+                self.tiers.served(len(seq.token_ids), seq.num_computed, read_back)
             self.tracer.event(request_id, "continued", samples=len(seqs),
                               context_tokens=len(contexts[0]), matched_tokens=seqs[0].num_computed)
             entry.sampling = sampling

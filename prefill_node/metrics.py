@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.engine.core import Engine
-from common.serving.pool_metrics import prefix_hit_counter, register_pool_gauges
+from common.serving.pool_metrics import register_pool_gauges
 from common.transports.metrics import TransferMetrics
 from prefill_node.scheduler import PrefillScheduler
 
@@ -18,7 +18,6 @@ class PrefillMetrics:
         Gauge("duet_prefill_pending_tokens", "Prompt tokens admitted or queued but not yet computed",
               registry=r).set_function(scheduler.pending_tokens)
         self.requests = Counter("duet_requests", "RemoteSend calls by outcome", ["rpc", "outcome"], registry=r)
-        self.prefix_hit_tokens = prefix_hit_counter(r)
         self.computed_tokens = Counter("duet_prefill_computed_tokens", "Prompt tokens computed", registry=r)
         self.prefill_seconds = Histogram("duet_prefill_seconds", "RemoteSend start to last layer computed",
                                          buckets=_BUCKETS, registry=r)

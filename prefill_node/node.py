@@ -15,6 +15,7 @@ from common.model.decoder import DecoderModel
 from common.peers.kv_writer import KvWriter
 from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import INCARNATION
+from common.serving.kv_tiers import KvTiers
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
 from common.transports import open_sender
@@ -38,10 +39,12 @@ class PrefillNode:
         self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens, self.tracer,
                                           adaptive_threads=config.threads is None)
         self.metrics = PrefillMetrics(self.engine, self.scheduler)
+        self.tiers = KvTiers(config, self.engine, self.tracer, self.metrics.registry)
         self.scheduler.start()
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+        self.tiers.close()
         self.writer.close()
 
     def load(self) -> pb.NodeLoad:
@@ -91,12 +94,13 @@ class PrefillNode:
             raise
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         transfer.transfer = with_faults(transfer.transfer, self.engine.pool)
+        read_back = self.tiers.read_back(req.request_id, req.token_ids[: end - 1])
         with self.engine.lock:
             seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
         skips = layer_skips(self.engine.model.config, begin, end)
         job = PrefillJob(seq, begin, dst, transfer.transfer, skips)
         cached = seq.num_computed
-        self.metrics.prefix_hit_tokens.inc(cached)
+        self.tiers.served(end, cached, read_back)
         self.tracer.event(req.request_id, "prefix_matched", matched_tokens=cached, prompt_tokens=end)
         self.scheduler.submit(job)
         ok = False

@@ -9,6 +9,10 @@ state counts (stored then removed is a removal), so applying changes in order, i
 Each stored block also carries what vLLM-format subscribers need (common/serving/kv_events_zmq.py):
 the block before it (None for a prompt's first) and its tokens.
 
+Blocks are held in a **medium**: `POOL` (the KV pool's prefix cache) or `DISK` (the offload tier,
+common/kv/disk_tier.py, whose pages are read back into the pool before use). Each change is about
+one medium; a publish that touched both makes two consecutive changes.
+
 A watcher starts from `snapshot()` (every block held, with the sequence it reflects) and follows
 `changes_after`; the last `history` changes are kept, so a watcher that lost its stream can resume
 without a snapshot if it was not gone long. A restart gives the log a new `incarnation`, so a
@@ -21,6 +25,11 @@ import secrets
 import threading
 from collections import deque
 from dataclasses import dataclass
+
+
+POOL = "pool"
+DISK = "disk"
+MEDIA = (POOL, DISK)
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class KvChange:
     stored: tuple[int, ...]
     removed: tuple[int, ...]
     stored_blocks: tuple[StoredBlock, ...] = ()  # `stored`, in order, with parents and tokens
+    medium: str = POOL  # where `stored` and `removed` are held
 
 
 class KvEventLog:
@@ -43,8 +53,8 @@ class KvEventLog:
         self.block_size = block_size
         self.incarnation = secrets.token_hex(8)
         self._cond = threading.Condition()
-        self._blocks: dict[int, StoredBlock] = {}  # held, in the order stored
-        self._pending: dict[int, bool] = {}  # block hash -> held, since the last publish; latest last
+        self._blocks: dict[str, dict[int, StoredBlock]] = {m: {} for m in MEDIA}  # held, in the order stored
+        self._pending: dict[str, dict[int, bool]] = {m: {} for m in MEDIA}  # hash -> held, since the last publish
         self._sequence = 0
         self._history: deque[KvChange] = deque(maxlen=history)
 
@@ -53,39 +63,45 @@ class KvEventLog:
         with self._cond:
             return self._sequence
 
+    def count(self, medium: str = POOL) -> int:
+        """Blocks held in `medium`."""
+        with self._cond:
+            return len(self._blocks[medium])
+
     @property
     def num_blocks(self) -> int:
-        with self._cond:
-            return len(self._blocks)
+        return self.count(POOL)
 
-    def stored(self, block_hash: int, parent: int | None = None, token_ids: tuple[int, ...] = ()) -> None:
+    def stored(self, block_hash: int, parent: int | None = None, token_ids: tuple[int, ...] = (),
+               medium: str = POOL) -> None:
         with self._cond:
-            self._blocks.pop(block_hash, None)
-            self._blocks[block_hash] = StoredBlock(block_hash, parent, token_ids)
-            self._pending.pop(block_hash, None)  # a parent re-stored goes before its children
-            self._pending[block_hash] = True
+            blocks, pending = self._blocks[medium], self._pending[medium]
+            blocks.pop(block_hash, None)
+            blocks[block_hash] = StoredBlock(block_hash, parent, token_ids)
+            pending.pop(block_hash, None)  # a parent re-stored goes before its children
+            pending[block_hash] = True
 
-    def removed(self, block_hash: int) -> None:
+    def removed(self, block_hash: int, medium: str = POOL) -> None:
         with self._cond:
-            self._blocks.pop(block_hash, None)
-            self._pending.pop(block_hash, None)
-            self._pending[block_hash] = False
+            self._blocks[medium].pop(block_hash, None)
+            self._pending[medium].pop(block_hash, None)
+            self._pending[medium][block_hash] = False
 
     def publish(self) -> None:
         """Turn what changed since the last call into one change and wake the watchers."""
         with self._cond:
             self._publish_locked()
 
-    def snapshot(self) -> tuple[int, list[int]]:
-        """(sequence, every block held after that change)."""
+    def snapshot(self, medium: str = POOL) -> tuple[int, list[int]]:
+        """(sequence, every block held in `medium` after that change)."""
         sequence, blocks = self.snapshot_blocks()
-        return sequence, [b.block_hash for b in blocks]
+        return sequence, [b.block_hash for b in blocks[medium]]
 
-    def snapshot_blocks(self) -> tuple[int, list[StoredBlock]]:
-        """(sequence, every block held after that change, each after its parent)."""
+    def snapshot_blocks(self) -> tuple[int, dict[str, list[StoredBlock]]]:
+        """(sequence, by medium every block held after that change, each after its parent)."""
         with self._cond:
             self._publish_locked()
-            return self._sequence, list(self._blocks.values())
+            return self._sequence, {m: list(blocks.values()) for m, blocks in self._blocks.items()}
 
     def changes_after(self, sequence: int) -> list[KvChange] | None:
         """The changes after `sequence` (none when it is the latest), or None when the history no
@@ -104,11 +120,13 @@ class KvEventLog:
             return self._cond.wait_for(lambda: self._sequence > sequence, timeout)
 
     def _publish_locked(self) -> None:
-        if not self._pending:
-            return
-        stored = tuple(h for h, held in self._pending.items() if held)
-        removed = tuple(h for h, held in self._pending.items() if not held)
-        self._pending.clear()
-        self._sequence += 1
-        self._history.append(KvChange(self._sequence, stored, removed, tuple(self._blocks[h] for h in stored)))
-        self._cond.notify_all()
+        for medium, pending in self._pending.items():
+            if not pending:
+                continue
+            stored = tuple(h for h, held in pending.items() if held)
+            removed = tuple(h for h, held in pending.items() if not held)
+            pending.clear()
+            self._sequence += 1
+            blocks = self._blocks[medium]
+            self._history.append(KvChange(self._sequence, stored, removed, tuple(blocks[h] for h in stored), medium))
+            self._cond.notify_all()

@@ -37,6 +37,10 @@ page the first computed position's window reaches is whole: a match that would r
 page is cut back to the longest that does not (to none at worst). A whole page recorded later for
 the same tokens replaces a partial one. A partial tail is not recorded.
 
+`on_cached`, when set, is told of every whole full page the cache starts recording (its block
+hash, the parent's hash, its tokens and its page), so a tier beyond the pool can keep a copy
+(common/engine/kv_offload.py); it runs inside the cache's operation and must not block.
+
 With a `KvEventLog`, every full page the cache starts or stops recording is reported by its
 chained block hash (common/kv/block_hashes.py), one published change per operation, so other
 nodes can tell which prompts this cache would serve. Tails are not reported: they are never shared.
@@ -109,6 +113,7 @@ class PrefixCache:
         self._clock = 0
         self._num_nodes = 0
         self._heap: list[_HeapEntry] = []
+        self.on_cached: Callable[[int, int | None, tuple[int, ...], int], None] | None = None
 
     @property
     def num_cached_pages(self) -> int:
@@ -171,6 +176,7 @@ class PrefixCache:
                 self.allocator.incref([page])
                 self.allocator.decref([child.page])
                 child.page, child.partial = page, False
+                self._report_cached(child)
             path.append(child)
             node = child
         if tail_tokens and len(keys) * self.page_size >= partial_before:
@@ -350,7 +356,14 @@ class PrefixCache:
         self._num_nodes += 1
         if self.events is not None and not is_tail:
             self.events.stored(node.block_hash, None if parent is self._root else parent.block_hash, key)
+        if not is_tail and not partial:
+            self._report_cached(node)
         return node
+
+    def _report_cached(self, node: _Node) -> None:
+        if self.on_cached is not None:
+            self.on_cached(node.block_hash, None if node.parent is self._root else node.parent.block_hash,
+                           node.key, node.page)
 
     def _drop_tails(self, node: _Node, which: Callable[[_Node], bool]) -> None:
         for tail in [t for t in node.tails.values() if which(t)]:

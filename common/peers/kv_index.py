@@ -1,7 +1,9 @@
 """Which node holds which KV block, as the nodes' WatchKvEvents streams report it.
 
 Per node: the incarnation and last sequence applied, the block size, and the set of block hashes
-(common/kv/block_hashes.py) its prefix cache holds. A snapshot replaces a node's set; any other
+(common/kv/block_hashes.py) its prefix cache holds, and those its disk tier holds (events with
+`medium` "disk"): a prompt's prefix counts as held where either has it, since a node reads a disk
+block back far faster than it computes it. A snapshot replaces a node's set; any other
 event must be the next of the same incarnation, or `apply` refuses it and the caller resyncs with
 a fresh watch. Routing also notes the prompts it just sent somewhere (`note_routed`): those
 blocks count as held there for a while, since the node reports them only once the request ends,
@@ -29,7 +31,8 @@ class _NodeBlocks:
     incarnation: str
     sequence: int
     block_size: int
-    blocks: set[int] = field(default_factory=set)
+    blocks: set[int] = field(default_factory=set)  # in the KV pool
+    on_disk: set[int] = field(default_factory=set)  # in the --kv-offload-dir tier (read back on use)
 
 
 class KvIndex:
@@ -45,15 +48,20 @@ class KvIndex:
         follow what was applied before, so the node must be resynced."""
         with self._lock:
             node = self._nodes.get(address)
-            if event.snapshot:
+            if event.snapshot and not event.medium:
                 self._nodes[address] = _NodeBlocks(event.incarnation, event.sequence, event.block_size,
                                                    set(event.stored_blocks))
                 self._block_sizes[address] = event.block_size
                 return True
-            if node is None or node.incarnation != event.incarnation or event.sequence != node.sequence + 1:
+            if node is None or node.incarnation != event.incarnation:
                 return False
-            node.blocks.difference_update(event.removed_blocks)
-            node.blocks.update(event.stored_blocks)
+            held = node.on_disk if event.medium else node.blocks
+            if event.snapshot and event.sequence == node.sequence:  # the disk tier's part of a snapshot
+                held.clear()
+            elif event.sequence != node.sequence + 1:
+                return False
+            held.difference_update(event.removed_blocks)
+            held.update(event.stored_blocks)
             node.sequence = event.sequence
             predicted = self._predicted.get(address)
             if predicted:
@@ -105,11 +113,11 @@ class KvIndex:
                 if size not in hashes_by_size:
                     hashes_by_size[size] = block_hashes(token_ids, size)
                 node = self._nodes.get(address)
-                held = node.blocks if node is not None else set()
+                held, on_disk = (node.blocks, node.on_disk) if node is not None else (set(), set())
                 predicted = self._predicted.get(address, {})
                 run = 0
                 for h in hashes_by_size[size]:
-                    if h not in held and predicted.get(h, 0.0) <= now:
+                    if h not in held and h not in on_disk and predicted.get(h, 0.0) <= now:
                         break
                     run += 1
                 out[address] = run * size

@@ -63,6 +63,8 @@ class DaemonConfig:
     kv_events_endpoint: str = ""  # ZMQ PUB endpoint of vLLM-format KV events (common/serving/kv_events_zmq.py)
     kv_events_topic: str = ""  # default kv@<advertise host>:<HTTP port, else gRPC port>@<served model name>
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering replays
+    kv_offload_dir: Path | None = None  # the disk tier of prefix pages (common/serving/kv_tiers.py); None = off
+    kv_offload_gib: float = 16.0  # its size; least recently used pages go past it
 
     @property
     def tls(self) -> TlsFiles:
@@ -103,6 +105,10 @@ class DaemonConfig:
             raise ValueError("--drain-seconds must be > 0")
         if (self.kv_events_topic or self.kv_events_replay_endpoint) and not self.kv_events_endpoint:
             raise ValueError("--kv-events-topic and --kv-events-replay-endpoint need --kv-events-endpoint")
+        if not self.kv_offload_gib > 0:
+            raise ValueError("--kv-offload-gib must be > 0")
+        if self.kv_offload_dir is not None and self.kv_offload_dir.exists() and not self.kv_offload_dir.is_dir():
+            raise ValueError(f"--kv-offload-dir {self.kv_offload_dir} exists and is not a directory")
         self.tls.validate()
 
 
@@ -162,6 +168,13 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    help="their topic (default: kv@<advertise host>:<HTTP port, else gRPC port>@<served model name>)")
     p.add_argument("--kv-events-replay-endpoint", default="", metavar="tcp://HOST:PORT",
                    help="answer replays of missed KV events from a sequence number on this ZMQ ROUTER endpoint")
+    p.add_argument("--kv-offload-dir", type=Path, default=None, metavar="DIR",
+                   help="keep every prefix page the cache records in files here too (written in the background), "
+                   "and read them back instead of recomputing a prompt the pool no longer holds; a node restarted "
+                   "on the same DIR serves the prefixes it held (docs/operations.md \"The disk tier\"; default: off)")
+    p.add_argument("--kv-offload-gib", type=float, default=d.kv_offload_gib, metavar="N",
+                   help="how much of --kv-offload-dir the tier may fill; the least recently used pages go past it "
+                   "(default %(default)s)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 

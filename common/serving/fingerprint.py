@@ -17,6 +17,12 @@ def fingerprint_of(model: DecoderModel, pool: KVPool) -> pb.CompatibilityFingerp
     )
 
 
+def fingerprint_key(model: DecoderModel, pool: KVPool) -> str:
+    """Every field of the fingerprint in one line: what a disk tier's files must agree on."""
+    fingerprint = fingerprint_of(model, pool)
+    return ";".join(f"{f}={getattr(fingerprint, f)}" for f in _FIELDS)
+
+
 def mismatch(ours: pb.CompatibilityFingerprint, theirs: pb.CompatibilityFingerprint,
              our_role: str, their_role: str) -> str | None:
     """A message naming every field that differs, or None when compatible."""

@@ -1,6 +1,6 @@
 """WatchKvEvents, as both daemons serve it: a node's KvEventLog as a stream of duet.v1.KvEvent.
 
-The stream opens with a snapshot, or with the missed changes when the request resumes the
+The stream opens with a snapshot (the pool's, then the disk tier's where it holds blocks), or with the missed changes when the request resumes the
 incarnation it watched and the log still holds them, then relays every published change. A
 watcher that falls further behind than the log's history gets a fresh snapshot in-band rather
 than a gap. The stream ends when the daemon starts draining (the watcher reconnects elsewhere or
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from common.daemon_limits import MAX_REQUEST_ID_LENGTH
-from common.kv.events import KvChange, KvEventLog
+from common.kv.events import POOL, KvChange, KvEventLog
 from protos.duet.v1 import duet_pb2 as pb
 
 MAX_WATCHERS = 64  # concurrent streams per node; more are RESOURCE_EXHAUSTED
@@ -64,9 +64,12 @@ class KvEventStreams:
         while active() and not self._draining.is_set():
             changes = None if cursor is None else log.changes_after(cursor)
             if changes is None:
-                cursor, blocks = log.snapshot()
-                yield pb.KvEvent(incarnation=log.incarnation, sequence=cursor, snapshot=True,
-                                 stored_blocks=blocks, block_size=log.block_size)
+                cursor, media = log.snapshot_blocks()
+                for medium, blocks in media.items():
+                    if medium == POOL or blocks:
+                        yield pb.KvEvent(incarnation=log.incarnation, sequence=cursor, snapshot=True,
+                                         stored_blocks=[b.block_hash for b in blocks], block_size=log.block_size,
+                                         medium=_wire_medium(medium))
                 continue
             for change in changes:
                 yield self._event(change)
@@ -75,4 +78,10 @@ class KvEventStreams:
 
     def _event(self, change: KvChange) -> pb.KvEvent:
         return pb.KvEvent(incarnation=self._log.incarnation, sequence=change.sequence, stored_blocks=change.stored,
-                          removed_blocks=change.removed, block_size=self._log.block_size)
+                          removed_blocks=change.removed, block_size=self._log.block_size,
+                          medium=_wire_medium(change.medium))
+
+
+def _wire_medium(medium: str) -> str:
+    """KvEvent.medium: empty for the pool (what watchers before the field read), else the tier's name."""
+    return "" if medium == POOL else medium

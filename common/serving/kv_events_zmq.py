@@ -9,7 +9,8 @@ payload `[timestamp, events]` whose events are
     ["AllBlocksCleared"]
 Stored blocks go out in chains (each hash continues the one before it, `token_ids` covers
 len(block_hashes) x block_size tokens) whose parent is a hash already announced, or None at a
-prompt's start. `lora_id` is None; `medium` is where the pool lives ("GPU" on CUDA, "CPU").
+prompt's start. `lora_id` is None; `medium` is where the pool lives ("GPU" on CUDA, "CPU"), or
+"DISK" for blocks the --kv-offload-dir tier holds.
 
 As vLLM's publisher does, the PUB socket binds when the endpoint's host is a wildcard (`*`,
 `0.0.0.0`, `::`) or it is an ipc:// or inproc:// address, and otherwise connects: llm-d's picker
@@ -33,7 +34,7 @@ from collections.abc import Iterable
 import msgpack
 import zmq
 
-from common.kv.events import KvChange, KvEventLog, StoredBlock
+from common.kv.events import POOL, KvChange, KvEventLog, StoredBlock
 from common.serving.daemon import GrpcDaemon
 from common.serving.daemon_config import DaemonConfig
 
@@ -117,8 +118,9 @@ class KvEventPublisher:
                 self._answer_replay()
 
     def _resync(self) -> int:
-        sequence, blocks = self._events.snapshot_blocks()
-        self._send(sequence, [["AllBlocksCleared"], *self._stored_events(blocks)])
+        sequence, media = self._events.snapshot_blocks()
+        self._send(sequence, [["AllBlocksCleared"], *(e for medium, blocks in media.items()
+                                                       for e in self._stored_events(blocks, medium))])
         return sequence
 
     def _send(self, sequence: int, events: list[list]) -> None:
@@ -135,10 +137,15 @@ class KvEventPublisher:
         self._replay.send_multipart([identity, b"", END_OF_REPLAY, b""])
 
     def _change_events(self, change: KvChange) -> list[list]:
-        removed = [["BlockRemoved", list(change.removed), self._medium]] if change.removed else []
-        return removed + self._stored_events(change.stored_blocks)
+        medium = self._medium_name(change.medium)
+        removed = [["BlockRemoved", list(change.removed), medium]] if change.removed else []
+        return removed + self._stored_events(change.stored_blocks, change.medium)
 
-    def _stored_events(self, blocks: Iterable[StoredBlock]) -> list[list]:
+    def _medium_name(self, medium: str) -> str:
+        """The pool is "GPU" or "CPU" (where it lives); the offload tier is "DISK"."""
+        return self._medium if medium == POOL else medium.upper()
+
+    def _stored_events(self, blocks: Iterable[StoredBlock], medium: str) -> list[list]:
         """BlockStored events, one per chain of consecutive blocks."""
         events: list[list] = []
         for block in blocks:
@@ -148,7 +155,7 @@ class KvEventPublisher:
                 chain[3].extend(block.token_ids)
             else:
                 events.append(["BlockStored", [block.block_hash], block.parent, list(block.token_ids),
-                               self._events.block_size, None, self._medium])
+                               self._events.block_size, None, self._medium_name(medium)])
         return events
 
 

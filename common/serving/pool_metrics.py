@@ -72,10 +72,6 @@ class _Throttled:
             return self._value
 
 
-def prefix_hit_counter(registry: CollectorRegistry) -> Counter:
-    return Counter("duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=registry)
-
-
 def node_load(engine: Engine, **requests: int) -> pb.NodeLoad:
     """GetLoad's answer: the pool's pages read under the engine lock, plus the node's own
     request counts (`running_requests`, `queued_requests`, ... as NodeLoad names them)."""

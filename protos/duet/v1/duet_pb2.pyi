@@ -170,20 +170,22 @@ class WatchKvEventsRequest(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("incarnation", "sequence", "snapshot", "stored_blocks", "removed_blocks", "block_size")
+    __slots__ = ("incarnation", "sequence", "snapshot", "stored_blocks", "removed_blocks", "block_size", "medium")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     sequence: int
     snapshot: bool
     stored_blocks: _containers.RepeatedScalarFieldContainer[int]
     removed_blocks: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
-    def __init__(self, incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., removed_blocks: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    medium: str
+    def __init__(self, incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., removed_blocks: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class PrepareReceiveRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "kv_window_end")
