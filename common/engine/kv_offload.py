@@ -1,12 +1,14 @@
 """The prefix cache's pages kept on the disk tier (common/kv/disk_tier.py), and read back.
 
 **Writing** is write-through and off the engine's step: when the prefix cache starts recording a
-whole full page, `KvOffload` takes one more reference on it (so it is neither evicted nor reused
-while being written; a cached full page is never written to) and queues it; a writer thread reads
-the page's bytes from the pool, writes the file and drops the reference. A page is thus on disk
-before the pool can evict it, and a node killed at any moment leaves on disk what it had cached.
-When the writer falls `max_pinned` pages behind (a quarter of the pool by default), further pages are skipped (counted), so a slow
-disk costs disk hits, never pool pages or step time.
+whole full page, `KvOffload` queues its block. A writer thread finds the page that holds it now
+(`PrefixCache.page_of`), takes one more reference on it for the write (so it is neither evicted nor
+reused meanwhile; a cached full page is never written to), reads its bytes from the pool without
+the engine lock, writes the file and drops the reference. The cache evicts least recently used
+pages first, so a page is on disk long before the pool lets it go, and a node killed at any
+moment leaves on disk what it had cached. A block evicted before its turn, or queued while the
+writer is a whole pool behind, is skipped (counted): a slow disk costs disk hits, never pool
+pages or step time.
 
 **Reading** runs on the caller's thread (a request's, never the engine's): `read_back(prompt)`
 finds the prompt's full pages the pool lacks and the tier holds, right after those the pool
@@ -47,7 +49,7 @@ class OffloadStats:
     """Running totals, read by the metrics (common/serving/tier_metrics.py)."""
     pages_written: int = 0
     bytes_written: int = 0
-    writes_skipped: int = 0  # the writer was `max_pinned` pages behind
+    writes_skipped: int = 0  # evicted before the writer's turn, or the writer was a pool behind
     write_errors: int = 0  # the disk refused a write (full, read-only ...)
     pages_read: int = 0
     bytes_read: int = 0
@@ -56,14 +58,12 @@ class OffloadStats:
 
 
 class KvOffload:
-    def __init__(self, engine: Engine, tier: DiskTier, max_pinned: int | None = None) -> None:
+    def __init__(self, engine: Engine, tier: DiskTier) -> None:
         self.engine = engine
         self.tier = tier
         self.stats = OffloadStats()
         self.lock = engine.lock  # `locked` methods hold the engine's lock
-        self._max_pinned = max_pinned or max(1, engine.allocator.num_pages // 4)
-        self._pinned = 0
-        self._queue: queue.SimpleQueue[tuple[int, int | None, tuple[int, ...], int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int | None, tuple[int, ...]] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_pages, name="kv-offload-writer", daemon=True)
         self._writer.start()
         engine.prefix_cache.on_cached = self._cached
@@ -75,20 +75,20 @@ class KvOffload:
 
     # ---- writing ----
 
-    def _cached(self, block_hash: int, parent: int | None, token_ids: tuple[int, ...], page: int) -> None:
+    def _cached(self, block_hash: int, parent: int | None, token_ids: tuple[int, ...]) -> None:
         """The prefix cache recorded a page (under the engine lock): queue it for the writer."""
-        if block_hash in self.tier:
-            return
-        if self._pinned >= self._max_pinned:
+        if self._queue.qsize() >= self.engine.allocator.num_pages:
             self.stats.writes_skipped += 1
-            return
-        self.engine.allocator.incref([page])
-        self._pinned += 1
-        self._queue.put((block_hash, parent, token_ids, page))
+        elif block_hash not in self.tier:
+            self._queue.put((block_hash, parent, token_ids))
 
     def _write_pages(self) -> None:
         while (item := self._queue.get()) is not None:
-            block_hash, parent, token_ids, page = item
+            block_hash, parent, token_ids = item
+            page = self._pin(block_hash)
+            if page is None:
+                self.stats.writes_skipped += 1  # evicted before its turn
+                continue
             try:
                 payload = self._page(page).view(torch.uint8).numpy().tobytes()
                 if self.tier.write(block_hash, parent, token_ids, payload):
@@ -101,8 +101,15 @@ class KvOffload:
                 self._unpin(page)
 
     @locked
+    def _pin(self, block_hash: int) -> int | None:
+        """The page holding `block_hash`, with a reference for the writer; None if the cache let it go."""
+        page = self.engine.prefix_cache.page_of(block_hash)
+        if page is not None:
+            self.engine.allocator.incref([page])
+        return page
+
+    @locked
     def _unpin(self, page: int) -> None:
-        self._pinned -= 1
         self.engine.allocator.decref([page])
         self.engine.room_made.notify_all()  # it may be evictable again
 

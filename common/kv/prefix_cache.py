@@ -38,8 +38,9 @@ page is cut back to the longest that does not (to none at worst). A whole page r
 the same tokens replaces a partial one. A partial tail is not recorded.
 
 `on_cached`, when set, is told of every whole full page the cache starts recording (its block
-hash, the parent's hash, its tokens and its page), so a tier beyond the pool can keep a copy
+hash, the parent's hash and its tokens), so a tier beyond the pool can keep a copy
 (common/engine/kv_offload.py); it runs inside the cache's operation and must not block.
+`page_of(block_hash)` finds such a page while the cache holds it.
 
 With a `KvEventLog`, every full page the cache starts or stops recording is reported by its
 chained block hash (common/kv/block_hashes.py), one published change per operation, so other
@@ -113,7 +114,8 @@ class PrefixCache:
         self._clock = 0
         self._num_nodes = 0
         self._heap: list[_HeapEntry] = []
-        self.on_cached: Callable[[int, int | None, tuple[int, ...], int], None] | None = None
+        self.on_cached: Callable[[int, int | None, tuple[int, ...]], None] | None = None
+        self._full: dict[int, _Node] = {}  # block hash -> its node, for full pages
 
     @property
     def num_cached_pages(self) -> int:
@@ -259,6 +261,7 @@ class PrefixCache:
             self.allocator.decref([node.page])
         self._root.children.clear()
         self._root.tails.clear()
+        self._full.clear()
         self._num_nodes = 0
         self._heap.clear()
         self._publish()
@@ -353,6 +356,8 @@ class PrefixCache:
         self.allocator.incref([page])
         node = _Node(key, page, parent, next(self._serials), is_tail, partial)
         (parent.tails if is_tail else parent.children)[key] = node
+        if not is_tail:
+            self._full[node.block_hash] = node
         self._num_nodes += 1
         if self.events is not None and not is_tail:
             self.events.stored(node.block_hash, None if parent is self._root else parent.block_hash, key)
@@ -362,8 +367,12 @@ class PrefixCache:
 
     def _report_cached(self, node: _Node) -> None:
         if self.on_cached is not None:
-            self.on_cached(node.block_hash, None if node.parent is self._root else node.parent.block_hash,
-                           node.key, node.page)
+            self.on_cached(node.block_hash, None if node.parent is self._root else node.parent.block_hash, node.key)
+
+    def page_of(self, block_hash: int) -> int | None:
+        """The page holding the whole full block `block_hash`, while the cache records it."""
+        node = self._full.get(block_hash)
+        return None if node is None or node.partial else node.page
 
     def _drop_tails(self, node: _Node, which: Callable[[_Node], bool]) -> None:
         for tail in [t for t in node.tails.values() if which(t)]:
@@ -396,6 +405,8 @@ class PrefixCache:
     def _detach(self, node: _Node) -> None:
         """Forget a leaf without dropping the cache's reference on its page."""
         del (node.parent.tails if node.is_tail else node.parent.children)[node.key]
+        if not node.is_tail:
+            del self._full[node.block_hash]
         node.removed = True
         self._num_nodes -= 1
         self._report_removed(node)

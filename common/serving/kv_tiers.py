@@ -10,7 +10,7 @@ Metrics (in the node's registry):
 - with a tier: `duet_kv_tier_blocks`, `duet_kv_tier_bytes` and `duet_kv_tier_capacity_bytes`
   (gauges), `duet_kv_tier_pages{direction}` and `duet_kv_tier_transferred_bytes{direction}`
   (written, read), `duet_kv_tier_read_seconds` (the time each read-back took, sum and count),
-  `duet_kv_tier_write_skipped` (the writer was behind), `duet_kv_tier_write_errors` (the disk
+  `duet_kv_tier_write_skipped` (evicted before the writer's turn), `duet_kv_tier_write_errors` (the disk
   refused), `duet_kv_tier_bad_files{reason}` (torn, checksum, fingerprint: found bad, deleted,
   recomputed). Every series is labelled `tier="disk"`.
 """
@@ -103,8 +103,8 @@ class _TierCollector:
                                     "tier into the pool", labels=["tier"])
         reads.add_metric(["disk"], count_value=stats.read_backs, sum_value=stats.read_seconds)
         yield from (pages, moved, bad, reads)
-        yield _labelled(CounterMetricFamily("duet_kv_tier_write_skipped", "Pages not written: the writer was "
-                                            "behind", labels=["tier"]), stats.writes_skipped)
+        yield _labelled(CounterMetricFamily("duet_kv_tier_write_skipped", "Pages not written: evicted before "
+                                            "the writer's turn, or it was a pool behind", labels=["tier"]), stats.writes_skipped)
         yield _labelled(CounterMetricFamily("duet_kv_tier_write_errors", "Pages the disk refused to take",
                                             labels=["tier"]), stats.write_errors)
 
