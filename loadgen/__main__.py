@@ -54,10 +54,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
                    help="gamma shape of the inter-arrival times (mean 1/rate): 1 = Poisson, <1 burstier, "
                    ">1 more regular (default %(default)s)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
-    p.add_argument("--dataset", default=d.dataset, metavar="random|shared-prefix|conversations|PATH",
+    p.add_argument("--dataset", default=d.dataset, metavar="random|shared-prefix|conversations|agentic|PATH",
                    help="synthetic token-id prompts, shared-prefix groups, multi-turn conversations (--num-users, "
-                   "--turns; --num-requests does not apply), or a JSONL {\"prompt\": ...} / ShareGPT JSON file "
-                   "(default %(default)s)")
+                   "--turns; --num-requests does not apply), agentic ones (conversations, each user with a system "
+                   "prompt of its own), or a JSONL {\"prompt\": ...} / ShareGPT JSON file (default %(default)s)")
     p.add_argument("--input-len", type=int, default=d.input_len,
                    help="prompt tokens (random) or per-request suffix tokens (shared-prefix) (default %(default)s)")
     p.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens (default %(default)s)")
@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
                    "%(default)s)")
     p.add_argument("--turns", type=int, default=d.turns,
                    help="conversations and --multi-turn: turns per user (default %(default)s)")
+    p.add_argument("--think-time", type=float, default=d.think_time, metavar="S",
+                   help="conversations: mean seconds (exponentially drawn) between an answer and the user's next "
+                   "turn (default %(default)s)")
     p.add_argument("--multi-turn", action="store_true",
                    help="replay a ShareGPT file's conversations turn by turn (up to --num-users of them) instead "
                    "of sending first turns")
@@ -105,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
             range_ratio=a.range_ratio, num_prefix_groups=a.num_prefix_groups, prefix_len=a.prefix_len,
             ignore_eos=a.ignore_eos, seed=a.seed, timeout=a.timeout, goodput=dict(a.goodput), label=a.label,
             endpoint=a.endpoint, model=a.model, tokenizer=a.tokenizer, num_users=a.num_users, turns=a.turns,
-            multi_turn=a.multi_turn,
+            multi_turn=a.multi_turn, think_time=a.think_time,
         )
     except ValueError as exc:
         p.error(str(exc))

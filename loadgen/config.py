@@ -54,6 +54,7 @@ class BenchmarkConfig:
     num_users: int = 8  # conversations: users, each sending `turns` turns one after another
     turns: int = 3
     multi_turn: bool = False  # a ShareGPT file replayed as conversations instead of first turns
+    think_time: float = 0.0  # conversations: mean seconds (exponential) from an answer to the user's next turn
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -81,6 +82,8 @@ class BenchmarkConfig:
             raise ValueError(f"--dataset: {self.dataset!r} is neither {' nor '.join(SYNTHETIC_DATASETS)} nor a file")
         if self.num_users < 1 or self.turns < 1:
             raise ValueError("--num-users and --turns must be >= 1")
+        if not 0 <= self.think_time < math.inf:
+            raise ValueError("--think-time must be >= 0 seconds")
         if self.multi_turn and self.dataset in SYNTHETIC_DATASETS:
             raise ValueError("--multi-turn replays a ShareGPT file: give --dataset PATH")
         if self.is_conversational and self.endpoint == COMPLETIONS:
@@ -97,7 +100,7 @@ class BenchmarkConfig:
     @property
     def is_conversational(self) -> bool:
         """Multi-turn: requests are built as answers come back (conversations())."""
-        return self.dataset == "conversations" or self.multi_turn
+        return self.dataset in ("conversations", "agentic") or self.multi_turn
 
     @property
     def openai_endpoint(self) -> str:
@@ -122,11 +125,12 @@ class BenchmarkConfig:
         return as_chat(samples, self.tokenizer_path) if self.endpoint == CHAT else samples
 
     def conversations(self) -> list[Conversation]:
-        """The multi-turn workload: --prefix-len tokens of shared system prompt and --input-len tokens
-        per question (synthetic), or a ShareGPT file's conversations."""
-        if self.dataset == "conversations":
+        """The multi-turn workload: --prefix-len tokens of system prompt (shared, or each user's own
+        for agentic) and --input-len tokens per question (synthetic), or a ShareGPT file's conversations."""
+        if self.dataset in ("conversations", "agentic"):
             return synthetic_conversations(self.num_users, self.turns, self.prefix_len, self.input_len,
-                                           self.output_len, self.range_ratio, self.seed, self.tokenizer_path)
+                                           self.output_len, self.range_ratio, self.seed, self.tokenizer_path,
+                                           own_system=self.dataset == "agentic")
         return sharegpt_conversations(Path(self.dataset), self.num_users, self.turns, self.output_len, self.seed)
 
     def _dataset(self) -> list[SampleRequest]:

@@ -3,6 +3,9 @@ answer ends, every prompt being the whole conversation so far.
 
 - ``conversations`` (synthetic): `num_users` users share one system prompt of about `prefix_len`
   tokens; each of their `turns` questions is about `input_len` tokens of random text.
+- ``agentic`` (synthetic): the same, except that every user has a system prompt of its own (an
+  agent's tool definitions and documents), so the live histories together can outgrow a node's
+  KV pool; with `--think-time` between an answer and the next turn, as an agent runs its tools.
 - a ShareGPT-style JSON file with ``--multi-turn``: each entry's human turns, in order, after its
   system turn if it has one; the recorded answers are not used, the server's are.
 
@@ -35,16 +38,18 @@ class Conversation:
 
 
 def synthetic_conversations(num_users: int, turns: int, system_len: int, question_len: int, output_len: int,
-                            range_ratio: float, seed: int, tokenizer_path: Path) -> list[Conversation]:
+                            range_ratio: float, seed: int, tokenizer_path: Path,
+                            own_system: bool = False) -> list[Conversation]:
     """Text decoded from random token ids (clear of special tokens), so every server tokenizes the
-    same prompt the same way."""
+    same prompt the same way. `own_system`: a system prompt per user (agentic), else one for all."""
     from common.model.tokenizer import load_tokenizer
 
     decode = load_tokenizer(tokenizer_path).decode
     rng = random.Random(seed)
-    system = decode(random_token_ids(rng, system_len))
+    systems = [decode(random_token_ids(rng, system_len)) for _ in range(num_users if own_system else 1)]
     lengths = uniform_lengths(rng, num_users * turns, question_len, range_ratio)
-    return [Conversation(system, tuple(decode(random_token_ids(rng, lengths[u * turns + t])) for t in range(turns)),
+    return [Conversation(systems[u % len(systems)],
+                         tuple(decode(random_token_ids(rng, lengths[u * turns + t])) for t in range(turns)),
                          output_len) for u in range(num_users)]
 
 

@@ -6,8 +6,8 @@
 - a file: JSONL of ``{"prompt": ...}`` lines, or ShareGPT JSON (a list of
   ``{"conversations": [{"from": "human", "value": ...}, ...]}``), whose first human turn is sent as a
   chat message.
-- ``conversations``, and a ShareGPT file with ``--multi-turn``: multi-turn chats, built turn by
-  turn as answers come back (loadgen/conversations.py).
+- ``conversations``, ``agentic``, and a ShareGPT file with ``--multi-turn``: multi-turn chats,
+  built turn by turn as answers come back (loadgen/conversations.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 # Token ids drawn for synthetic prompts: clear of special tokens, inside any common vocabulary.
 TOKEN_ID_RANGE = (100, 40000)
-SYNTHETIC_DATASETS = ("random", "shared-prefix", "conversations")  # conversations: loadgen/conversations.py
+SYNTHETIC_DATASETS = ("random", "shared-prefix", "conversations", "agentic")  # the last two: loadgen/conversations.py
 
 
 @dataclass(frozen=True)

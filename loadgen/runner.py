@@ -1,10 +1,12 @@
 """Run a workload against one target: schedule arrivals, cap concurrency, collect results.
 
 A conversation workload schedules users instead of requests: each user starts at its arrival
-time and sends its next turn when the answer to the previous one has ended."""
+time and sends its next turn when the answer to the previous one has ended (and, with
+--think-time, an exponentially drawn pause after it, seeded per user)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
 import uuid
@@ -90,7 +92,10 @@ async def _run_conversations(config: BenchmarkConfig, conversations: list[Conver
         async def user(u: int) -> None:
             await asyncio.sleep(max(0.0, origin + offsets[u] - time.perf_counter()))
             history: tuple[Message, ...] = ()
+            thinking = random.Random(f"{config.seed}-{u}")
             for t, question in enumerate(conversations[u].questions):
+                if t and config.think_time:
+                    await asyncio.sleep(thinking.expovariate(1 / config.think_time))
                 index = firsts[u] + t
                 sample = conversations[u].turn(history, question)
                 arrival = time.perf_counter() - origin

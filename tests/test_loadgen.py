@@ -119,9 +119,11 @@ def test_conversations_share_a_system_prompt_and_multi_turn_files_keep_their_ord
     ]))
     (only,) = dataclasses.replace(config, dataset=str(sharegpt), multi_turn=True).conversations()
     assert (only.system, only.questions) == ("Be terse.", ("A?", "B?"))
-    for bad in ({"multi_turn": True}, {"turns": 0}, {"endpoint": "/v1/completions"}):
+    for bad in ({"multi_turn": True}, {"turns": 0}, {"endpoint": "/v1/completions"}, {"think_time": -1}):
         with pytest.raises(ValueError):
             dataclasses.replace(config, **bad)
+    agents = dataclasses.replace(config, dataset="agentic").conversations()  # a system prompt each
+    assert len({c.system for c in agents}) == 3 and all(len(c.questions) == 2 for c in agents)
 
 
 # ---------------------------------------------------------------- whole runs against decode nodes
