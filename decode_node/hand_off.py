@@ -88,7 +88,7 @@ class HandOff:
         if not 0 <= resolved < n:
             raise InvalidArgument(f"kv_window_end {end} resolves to {resolved}, outside [0, {n}) for a "
                                   f"{n}-token prompt (the decode node computes at least the last token)")
-        read_back = self.tiers.read_back(request_id, tokens[:resolved])
+        read_back = self.tiers.read_back(request_id, tokens[:resolved], deadline)
         with self.engine.lock:
             entry = self.new_request(request_id)
             try:

@@ -184,7 +184,7 @@ class DecodeNode:
         if continuation is not None:
             return self._continue(request_id, tokens, params, sampling, continuation)
         scoring = params.prompt_logprobs is not None
-        read_back = self.tiers.read_back(request_id, tokens[:-1]) if not scoring else ReadBack()
+        read_back = self.tiers.read_back(request_id, tokens[:-1], deadline) if not scoring else ReadBack()
         with self.engine.lock:
             self.admission.check_room()
             cached = self.engine.prefix_cache.matched_length(tokens[:-1])

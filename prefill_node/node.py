@@ -84,6 +84,7 @@ class PrefillNode:
         except MetadataError as exc:
             raise InvalidArgument(f"kv_append_metadata does not fit decode node {req.decode_address}: {exc}") from None
         started = time.perf_counter()
+        read_back = self.tiers.read_back(req.request_id, req.token_ids[: end - 1], deadline)
         try:  # before any byte moves: NIXL writes land wherever they are aimed
             transfer = self.writer.begin(
                 peer, req.request_id, req.transfer_nonce, metadata, deadline,
@@ -94,7 +95,6 @@ class PrefillNode:
             raise
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         transfer.transfer = with_faults(transfer.transfer, self.engine.pool)
-        read_back = self.tiers.read_back(req.request_id, req.token_ids[: end - 1])
         with self.engine.lock:
             seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
         skips = layer_skips(self.engine.model.config, begin, end)

@@ -95,11 +95,6 @@ class DiskTier:
         with self._lock:
             return self._bytes
 
-    def held_run(self, hashes: Sequence[int]) -> int:
-        """How many leading `hashes` the tier holds."""
-        with self._lock:
-            return next((i for i, h in enumerate(hashes) if h not in self._index), len(hashes))
-
     # ---- writing and reading ----
 
     def write(self, block_hash: int, parent: int | None, token_ids: Sequence[int], payload: bytes) -> bool:
@@ -142,7 +137,7 @@ class DiskTier:
             self._index.move_to_end(block_hash)
         try:
             data = self._path(block_hash).read_bytes()
-        except FileNotFoundError:
+        except OSError:  # deleted meanwhile, or unreadable: a miss
             self._forget(block_hash)
             return None
         try:

@@ -37,10 +37,11 @@ page the first computed position's window reaches is whole: a match that would r
 page is cut back to the longest that does not (to none at worst). A whole page recorded later for
 the same tokens replaces a partial one. A partial tail is not recorded.
 
-`on_cached`, when set, is told of every whole full page the cache starts recording (its block
-hash, the parent's hash and its tokens), so a tier beyond the pool can keep a copy
-(common/engine/kv_offload.py); it runs inside the cache's operation and must not block.
-`page_of(block_hash)` finds such a page while the cache holds it.
+A tier beyond the pool (common/engine/kv_offload.py) follows whole full pages through two hooks
+that run inside the cache's operation and must not block: `on_cached` is told of every one the
+cache starts recording (its block hash, the parent's hash, its tokens), `on_evicted` of every one
+eviction is about to free (the same, and its page, still holding the KV). `page_of(block_hash)`
+finds such a page while the cache holds it.
 
 With a `KvEventLog`, every full page the cache starts or stops recording is reported by its
 chained block hash (common/kv/block_hashes.py), one published change per operation, so other
@@ -115,6 +116,7 @@ class PrefixCache:
         self._num_nodes = 0
         self._heap: list[_HeapEntry] = []
         self.on_cached: Callable[[int, int | None, tuple[int, ...]], None] | None = None
+        self.on_evicted: Callable[[int, int | None, tuple[int, ...], int], None] | None = None
         self._full: dict[int, _Node] = {}  # block hash -> its node, for full pages
 
     @property
@@ -205,7 +207,7 @@ class PrefixCache:
             if self.allocator.refcount(node.page) > 1:
                 in_use.append(entry)
                 continue
-            self._remove_leaf(node)
+            self._evict_leaf(node)
             freed += 1
             parent = node.parent
             if parent is not self._root and parent.is_leaf():
@@ -303,7 +305,7 @@ class PrefixCache:
             order.append(node)
             stack.extend(node.kids())
         for node in reversed(order):  # children before their parents
-            self._remove_leaf(node)
+            self._evict_leaf(node)
         parent = top.parent
         if parent is not self._root and parent.is_leaf():
             self._push(parent)
@@ -367,7 +369,15 @@ class PrefixCache:
 
     def _report_cached(self, node: _Node) -> None:
         if self.on_cached is not None:
-            self.on_cached(node.block_hash, None if node.parent is self._root else node.parent.block_hash, node.key)
+            self.on_cached(node.block_hash, self._parent_hash(node), node.key)
+
+    def _evict_leaf(self, node: _Node) -> None:
+        if self.on_evicted is not None and not node.is_tail and not node.partial:
+            self.on_evicted(node.block_hash, self._parent_hash(node), node.key, node.page)
+        self._remove_leaf(node)
+
+    def _parent_hash(self, node: _Node) -> int | None:
+        return None if node.parent is self._root else node.parent.block_hash
 
     def page_of(self, block_hash: int) -> int | None:
         """The page holding the whole full block `block_hash`, while the cache records it."""

@@ -10,7 +10,7 @@ Metrics (in the node's registry):
 - with a tier: `duet_kv_tier_blocks`, `duet_kv_tier_bytes` and `duet_kv_tier_capacity_bytes`
   (gauges), `duet_kv_tier_pages{direction}` and `duet_kv_tier_transferred_bytes{direction}`
   (written, read), `duet_kv_tier_read_seconds` (the time each read-back took, sum and count),
-  `duet_kv_tier_write_skipped` (evicted before the writer's turn), `duet_kv_tier_write_errors` (the disk
+  `duet_kv_tier_write_skipped` (evicted while the writer was far behind), `duet_kv_tier_write_errors` (the disk
   refused), `duet_kv_tier_bad_files{reason}` (torn, checksum, fingerprint: found bad, deleted,
   recomputed). Every series is labelled `tier="disk"`.
 """
@@ -52,12 +52,13 @@ class KvTiers:
         if self.offload is not None:
             self.offload.close()
 
-    def read_back(self, request_id: str, token_ids: Sequence[int]) -> ReadBack:
+    def read_back(self, request_id: str, token_ids: Sequence[int], deadline: float | None = None) -> ReadBack:
         """Bring what the tier holds of the prompt `token_ids` (the part whose KV may be reused)
-        into the prefix cache; call before matching, without the engine lock."""
+        into the prefix cache, waiting for room until the request's `deadline` (monotonic) at
+        most; call before matching, without the engine lock."""
         if self.offload is None:
             return ReadBack()
-        got = self.offload.read_back(token_ids)
+        got = self.offload.read_back(token_ids, deadline)
         if got.tokens:
             self.tracer.event(request_id, "kv_read_back", tier="disk", tokens=got.tokens, bytes=got.bytes,
                               seconds=round(got.seconds, 6))
@@ -103,8 +104,8 @@ class _TierCollector:
                                     "tier into the pool", labels=["tier"])
         reads.add_metric(["disk"], count_value=stats.read_backs, sum_value=stats.read_seconds)
         yield from (pages, moved, bad, reads)
-        yield _labelled(CounterMetricFamily("duet_kv_tier_write_skipped", "Pages not written: evicted before "
-                                            "the writer's turn, or it was a pool behind", labels=["tier"]), stats.writes_skipped)
+        yield _labelled(CounterMetricFamily("duet_kv_tier_write_skipped", "Pages not written: evicted while "
+                                            "the writer was far behind", labels=["tier"]), stats.writes_skipped)
         yield _labelled(CounterMetricFamily("duet_kv_tier_write_errors", "Pages the disk refused to take",
                                             labels=["tier"]), stats.write_errors)
 
