@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_serving --output-dir docs/bench
 	$(PY) -m scripts.bench_colocated
 	$(PY) -m scripts.bench_contention
+	$(PY) -m scripts.bench_kv_tiers
 
 # duet side by side with vLLM's CPU engine (installed into .venv-peer on first use; not part of
 # `make test`): one table with duet / vLLM ratios, docs/bench/peer.json and peer.png.

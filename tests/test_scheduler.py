@@ -97,6 +97,27 @@ def test_request_larger_than_the_pool_fails_fast(make_scheduler):
     _assert_no_leak(s)
 
 
+def test_the_oldest_request_takes_pages_from_newer_ones_that_arrived_holding_a_prefix(model, make_scheduler):
+    """Requests that arrive holding cached pages (a read-back from the disk tier, a returning
+    conversation) can hold the whole pool: the oldest then preempts them rather than fail."""
+    s = make_scheduler(num_pages=20, page_size=16)
+    histories = [random_ids(150, 60 + i) for i in range(2)]
+    for i, h in enumerate(histories):  # cached: 10 pages each, the whole pool
+        collect(s.submit(f"h{i}", s.engine.new_sequence(f"h{i}", h), GREEDY))
+    oldest = random_ids(100, 70)
+    returning = [h + random_ids(60, 80 + i) for i, h in enumerate(histories)]
+    expected = [engine_greedy(model, p, 8) for p in (oldest, *returning)]
+    with s.engine.lock:  # all three submitted before the scheduler's next step
+        seqs = [s.engine.new_sequence(f"r{i}", p) for i, p in enumerate(returning)]
+        assert s.engine.allocator.num_free == 0 and all(q.num_computed == 150 for q in seqs)
+        handles = [s.submit("oldest", s.engine.new_sequence("oldest", oldest), GREEDY)]
+        handles += [s.submit(f"r{i}", q, GREEDY) for i, q in enumerate(seqs)]
+    outcomes = [collect(h) for h in handles]
+    assert [o[2].finish_reason for o in outcomes] == ["length"] * 3
+    assert [o[0] for o in outcomes] == expected
+    _assert_no_leak(s)
+
+
 def test_abort_frees_pages(make_scheduler):
     s = make_scheduler()
     h = s.submit("a", s.engine.new_sequence("a", random_ids(20, 6)), SamplingParams(max_tokens=10_000, ignore_eos=True))

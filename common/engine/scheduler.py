@@ -309,9 +309,18 @@ class Scheduler(EngineLoop):
                 work.append((r, n))
                 budget -= n
         if not work and self._active:
-            # Nothing fits and nothing runs that could free pages: refuse the oldest request.
-            self._fail(self._active[0], "RESOURCE_EXHAUSTED",
-                       "the KV pool cannot hold this request; send a shorter prompt or fewer max_tokens")
+            # Nothing fits: the oldest request prefills on, taking the pages newer ones hold
+            # (those that arrived holding a cached prefix); if even that fails, nothing runs that
+            # could free pages, and it is refused.
+            oldest = self._active[0]
+            if not oldest.seq.pages and oldest.seq.num_pending > 1 and not oldest.group.scoring_prompt:
+                self.engine.attach_cached_prefix(oldest.seq)
+            n = min(oldest.seq.num_pending, max(budget, 1))
+            if oldest.seq.num_pending > 1 and self._reserve(oldest, n, work):
+                work.append((oldest, n))
+            else:
+                self._fail(oldest, "RESOURCE_EXHAUSTED",
+                           "the KV pool cannot hold this request; send a shorter prompt or fewer max_tokens")
         return work
 
     def _reserve(self, r: Sample, n: int, planned: list[tuple[Sample, int]], preempt: bool = True) -> bool:
