@@ -33,6 +33,7 @@ class DecodeNodeConfig(DaemonConfig):
     routing: str = "prefix"  # how Generate picks a prefill node (common/peers/routing.py)
     load_weight: float = DEFAULT_LOAD_WEIGHT
     pd_balance: float = 0.0  # fraction of each prompt's tail the decode node prefills itself
+    prefix_fetch: str = "on"  # fetch a prefix from the decode node a GenerateRequest names as its holder
     # Latency target of one engine step that carries prompt chunks next to decodes; 0 = none
     # (chunks fill --max-batch-tokens). common/engine/step_budget.py
     max_step_ms: float = 100.0
@@ -68,6 +69,8 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--quarantine-seconds must be > 0")
         if self.verify_kv not in ON_OFF:
             raise ValueError("--verify-kv must be on or off")
+        if self.prefix_fetch not in ON_OFF:
+            raise ValueError("--prefix-fetch must be on or off")
         if self.max_requests < 1:
             raise ValueError("--max-requests must be >= 1")
         if not 0 <= self.admission_watermark < 1:
@@ -145,6 +148,10 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
     p.add_argument("--pd-balance", type=float, default=d.pd_balance, metavar="F",
                    help="prefill the last fraction F of each prompt here instead of on the prefill node "
                    "(default %(default)s)")
+    p.add_argument("--prefix-fetch", choices=ON_OFF, default=d.prefix_fetch,
+                   help="when a GenerateRequest names another decode node holding more of its prompt (a router's "
+                   "prefix_holder), have that node write it here (SendPrefix) instead of computing it; off = always "
+                   "compute (default %(default)s)")
     p.add_argument("--max-step-ms", type=float, default=d.max_step_ms, metavar="MS",
                    help="while requests are decoding, prefill only as many prompt tokens per engine step as "
                    "fit in MS milliseconds by the measured step cost (at least 32), so running streams keep "

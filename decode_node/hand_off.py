@@ -21,7 +21,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from common.kv.segments import Segments, slot_range
-from common.peers.hand_off import hand_off
+from common.peers.hand_off import KvSource, hand_off
 from common.peers.prefill_pool import PrefillPool
 from common.serving.kv_tiers import KvTiers
 from common.tracing import Tracer
@@ -76,10 +76,12 @@ class HandOff:
 
     def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None,
                         cancelled: Callable[[], bool] = lambda: False,
-                        deadline: float | None = None) -> pb.PrepareReceiveResponse:
+                        deadline: float | None = None, writer: str = "computed") -> pb.PrepareReceiveResponse:
         """Reserve slots for positions [kv_window_begin, end) of the prompt: from the end of the
         cached prefix, or with a sliding window from the first position still attended. With
-        --admission queue it waits for room until `cancelled()` or the `deadline` (monotonic)."""
+        --admission queue it waits for room until `cancelled()` or the `deadline` (monotonic).
+        `writer`: where the window's KV will come from, as duet_prompt_tokens counts it (once the
+        reservation is claimed: a hand-off that fails counts nothing)."""
         check_request_id(request_id)
         tokens = self._check_prompt(token_ids)
         n = len(tokens)
@@ -102,13 +104,13 @@ class HandOff:
             matched = seq.num_computed
             segments = Segments.of_slots(slot_range(seq.pages, self.engine.page_size, begin, max(begin, resolved)))
             lease_deadline = time.time() + self.config.lease_seconds
-            entry.reservation = Reservation(seq, matched, resolved, segments, secrets.randbits(63), lease_deadline)
+            entry.reservation = Reservation(seq, matched, resolved, segments, secrets.randbits(63), lease_deadline,
+                                            from_disk=read_back.tokens, writer=writer)
             self.requests.move(entry, Status.RESERVED)
             if matched >= resolved:  # the prefix cache holds it all: nothing to send
                 self.requests.move(entry, Status.RECEIVED)
         self.tracer.event(request_id, "prefix_matched", matched_tokens=matched, prompt_tokens=n)
         self.tracer.event(request_id, "pages_reserved", pages=len(seq.held_pages), slots=segments.num_slots)
-        self.tiers.served(resolved, min(matched, resolved), read_back)
         return pb.PrepareReceiveResponse(
             prompt_length=n, prefix_matched_length=matched, kv_window_begin=begin, kv_window_end=resolved,
             kv_append_metadata=segments.to_wire(), lease_deadline_unix=lease_deadline,
@@ -162,15 +164,20 @@ class HandOff:
         if skipped:  # a writer moved [begin, end), a hybrid model's sliding layers only their window
             r.seq.partial_kv_before = max(r.seq.partial_kv_before, r.begin + skipped)
         r.seq.num_computed = max(r.prefix_matched, r.end)
+        self.tiers.served(r.end, min(r.prefix_matched, r.end), r.from_disk, r.writer)
         self.requests.move(entry, Status.RUNNING)
 
     def generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams,
                         sampling: pb.SamplingParams | None, cancelled: Callable[[], bool],
-                        deadline: float | None, prefiller: str | None = None) -> tuple[RequestHandle | None, bool]:
-        """The three calls with a prefill node: the handle, or None when the KV did not arrive;
-        and whether the request was aborted meanwhile (then Generate must not prefill it here)."""
-        steps = _InProcessSteps(self, request_id, tokens, params, sampling, cancelled, deadline)
-        handle = hand_off(request_id, tokens, steps, self.prefill_pool, self.tracer, prefiller)
+                        deadline: float | None, prefiller: str | None = None, source: KvSource | None = None,
+                        end: int | None = None) -> tuple[RequestHandle | None, bool]:
+        """The three calls with a prefill node (or another `source`: a decode node holding the
+        prefix up to `end`, decode_node/prefix_fetch.py): the handle, or None when the KV did not
+        arrive; and whether the request was aborted meanwhile (then Generate must not prefill it here)."""
+        steps = _InProcessSteps(self, request_id, tokens, params, sampling, cancelled, deadline, end,
+                                writer="computed" if source is None else "peer")
+        handle = hand_off(request_id, tokens, steps, source or self.prefill_pool, self.tracer, prefiller,
+                          span="remote_prefill" if source is None else "prefix_fetch")
         return handle, steps.entry is not None and steps.entry.status is Status.ABORTED
 
 
@@ -178,18 +185,22 @@ class _InProcessSteps:
     """The hand-off's steps as the decode node runs them on itself."""
 
     def __init__(self, node: HandOff, request_id: str, tokens: list[int], params: SamplingParams,
-                 sampling: pb.SamplingParams | None, cancelled: Callable[[], bool], deadline: float | None) -> None:
+                 sampling: pb.SamplingParams | None, cancelled: Callable[[], bool], deadline: float | None,
+                 end: int | None, writer: str) -> None:
+        """`end`: where the received window ends (None: where --pd-balance puts it)."""
         self.decode_address = node.config.advertise_address
         self._node, self._request_id, self._tokens, self._params = node, request_id, tokens, params
         self._sampling = sampling
         self._cancelled, self._deadline = cancelled, deadline
+        self._end, self._writer = end, writer
         self.entry: LiveRequest | None = None
 
     def prepare(self) -> pb.PrepareReceiveResponse | None:
         n = len(self._tokens)
-        end = min(int((1 - self._node.config.pd_balance) * n), n - 1)
+        end = min(int((1 - self._node.config.pd_balance) * n), n - 1) if self._end is None else self._end
         try:
-            p = self._node.prepare_receive(self._request_id, self._tokens, end, self._cancelled, self._deadline)
+            p = self._node.prepare_receive(self._request_id, self._tokens, end, self._cancelled, self._deadline,
+                                           self._writer)
         except ResourceExhausted:
             return None  # local prefill queues in the scheduler (or admission) instead of refusing
         self.entry = self._node.requests.get(self._request_id)

@@ -31,14 +31,13 @@ from common.engine.core import Engine, Sequence
 from common.engine.generation import Chunk, Continuation
 from common.engine.scheduler import Detached, Scheduler
 from common.errors import FailedPrecondition, InvalidArgument, NotFound, RequestError, Unavailable
-from common.kv.segments import Segments, slot_range
+from common.kv.segments import slot_range
 from common.peers.decode_peers import DecodePeer
 from common.peers.kv_writer import KvWriter
 from common.peers.peer_status import STALLED, STREAM_BROKEN
 from common.serving.incarnation import INCARNATION
 from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto
 from common.tracing import Tracer
-from common.transports.pieces import per_layer, plan_pieces
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import LiveRequest, RequestTable, Status
@@ -192,19 +191,9 @@ class Migrations:
               deadline: float) -> None:
         """Write positions [kv_window_begin, kv_window_end) of `seq` into the target's reservation."""
         begin, end = prep.kv_window_begin, prep.kv_window_end
-        metadata = list(prep.kv_append_metadata)
-        dst = Segments.from_wire(metadata, end - begin, num_slots=peer.info.num_slots)
-        src = slot_range(seq.pages, self.engine.page_size, begin, end)
-        skips = layer_skips(self.engine.model.config, begin, end)
-        job = self.writer.begin(peer, rid, prep.transfer_nonce, metadata, deadline)
-        try:
-            pieces = per_layer(skips, lambda skip: plan_pieces(src[skip:], dst.window(skip, end - begin)))
-            for layer, layer_pieces in enumerate(pieces):
-                job.transfer.post_layer(layer, layer_pieces)
-            self.writer.finish(job, src, deadline, skips)
-        except BaseException:
-            self.writer.fail(job)
-            raise
+        self.writer.write(peer, rid, prep.transfer_nonce, list(prep.kv_append_metadata),
+                          slot_range(seq.pages, self.engine.page_size, begin, end),
+                          layer_skips(self.engine.model.config, begin, end), deadline)
 
     def _check_aborted(self, m: _Migration) -> None:
         if m.aborted:

@@ -39,6 +39,7 @@ from decode_node.hand_off import HandOff
 from decode_node.lease_sweeper import LeaseSweeper
 from decode_node.metrics import DecodeMetrics
 from decode_node.migration import Migrations
+from decode_node.prefix_fetch import PrefixFetch
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Status
 from decode_node.writers import Writers
 from protos.duet.v1 import duet_pb2 as pb
@@ -80,6 +81,8 @@ class DecodeNode:
                                 self.prefill_pool, self.tiers, self.tracer, self._check_prompt)
         self.migrations = Migrations(config, self.engine, self.scheduler, self.requests, self.kv_writer,
                                      self.metrics, self.tracer)
+        self.prefix_fetch = PrefixFetch(config, self.engine, self.hand_off, self.tiers, self.kv_writer, self.tracer,
+                                        self._check_prompt)
         self.draining = False  # new requests are refused: the running ones move to --drain-to nodes
         self.scheduler.start()
         self._sweeper = LeaseSweeper(self.requests, self.writers, self.metrics, self.tracer)
@@ -90,6 +93,7 @@ class DecodeNode:
 
     def shutdown(self) -> None:
         self.prefill_pool.close()
+        self.prefix_fetch.close()
         self._sweeper.stop()
         self.scheduler.stop()
         self.tiers.close()
@@ -138,6 +142,9 @@ class DecodeNode:
         self._check_speculation(params)
         return self.hand_off.start_generation(request_id, kv_window_begin, params, sampling, continuation)
 
+    def send_prefix(self, request: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
+        return self.prefix_fetch.send(request, timeout_s)
+
     def migrate(self, request_id: str, target_address: str) -> pb.MigrateResponse:
         return self.migrations.migrate(request_id, target_address)
 
@@ -167,7 +174,7 @@ class DecodeNode:
     def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None,
                  sampling: pb.SamplingParams | None = None, continuation: Continuation | None = None,
-                 prefiller: str | None = None) -> RequestHandle:
+                 prefiller: str | None = None, prefix_holder: pb.PrefixHolder | None = None) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
         when no prefill node delivers) prefill locally, reusing the prefix cache either way.
         `cancelled` tells whether the caller gave up (then nothing more is started); with
@@ -176,7 +183,9 @@ class DecodeNode:
         of common/engine/scheduler.py). `sampling`: the parameters as the client sent them.
         With a `continuation` the prompt's generation continues here from the tokens another node
         generated, their context recomputed (with the prefix cache's help). `prefiller`: the
-        prefill node a gateway named (x-prefiller-host-port); used when it is one of --prefill."""
+        prefill node a gateway named (x-prefiller-host-port); used when it is one of --prefill.
+        `prefix_holder`: another decode node holding more of the prompt, fetched from first
+        (decode_node/prefix_fetch.py)."""
         check_request_id(request_id)
         self._check_accepting()
         self._check_speculation(params)
@@ -188,6 +197,13 @@ class DecodeNode:
         with self.engine.lock:
             self.admission.check_room()
             cached = self.engine.prefix_cache.matched_length(tokens[:-1])
+        if prefix_holder is not None and not scoring:
+            handle, aborted = self.prefix_fetch.fetch(request_id, tokens, params, sampling, cancelled, deadline,
+                                                      prefix_holder, cached)
+            if aborted:
+                raise Aborted(f"request {request_id!r} was aborted while its prefix was fetched")
+            if handle is not None:
+                return handle
         if worth_remote(len(tokens), cached, self.config.min_remote_prefill_tokens, scoring, self.prefill_pool):
             handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, sampling, cancelled, deadline,
                                                             self._named_prefiller(prefiller))
@@ -205,7 +221,7 @@ class DecodeNode:
                 self.requests.move(entry, Status.ABORTED)
                 raise
             self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
-            self.tiers.served(len(tokens), seq.num_computed, read_back)
+            self.tiers.served(len(tokens), seq.num_computed, read_back.tokens)
             entry.sampling = sampling
             self.requests.move(entry, Status.RUNNING)
             return self.scheduler.submit(request_id, seq, params)
@@ -225,7 +241,7 @@ class DecodeNode:
             seqs = [self.engine.new_sequence(f"{request_id}#{s.index}", tokens)
                     for s, tokens in zip(continuation.samples, contexts)]
             for seq, read_back in zip(seqs, read_backs):
-                self.tiers.served(len(seq.token_ids), seq.num_computed, read_back)
+                self.tiers.served(len(seq.token_ids), seq.num_computed, read_back.tokens)
             self.tracer.event(request_id, "continued", samples=len(seqs),
                               context_tokens=len(contexts[0]), matched_tokens=seqs[0].num_computed)
             entry.sampling = sampling

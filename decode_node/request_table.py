@@ -80,6 +80,8 @@ class Reservation:
     nonce: int
     deadline: float  # time.time() seconds
     transfer_started: float | None = None  # time.perf_counter() of the writer's first BeginTransfer
+    from_disk: int = 0  # of prefix_matched, positions read back from the disk tier for it
+    writer: str = "computed"  # where the window's KV comes from, as duet_prompt_tokens counts it
 
     @property
     def begin(self) -> int:

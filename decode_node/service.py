@@ -102,7 +102,9 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
             handle = self.node.generate(rid, tokens, params, cancelled=_cancelled(context),
                                         deadline=_deadline(context), sampling=request.sampling,
                                         continuation=self._continuation(request, params),
-                                        prefiller=dict(context.invocation_metadata()).get(PREFILLER_HEADER))
+                                        prefiller=dict(context.invocation_metadata()).get(PREFILLER_HEADER),
+                                        prefix_holder=request.prefix_holder if request.HasField("prefix_holder")
+                                        else None)
         except RequestError as exc:
             self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)
@@ -118,6 +120,14 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
             return self.node.migrate(request.request_id, request.target_address)
         except RequestError as exc:
             self._fail(context, "Migrate", exc)
+
+    def SendPrefix(self, request: pb.RemoteSendRequest, context) -> pb.RemoteSendResponse:
+        try:
+            response = self.node.send_prefix(request, context.time_remaining())
+        except RequestError as exc:
+            self._fail(context, "SendPrefix", exc)
+        self.metrics.requests.labels("SendPrefix", "OK").inc()
+        return response
 
     def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         try:

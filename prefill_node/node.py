@@ -100,7 +100,7 @@ class PrefillNode:
         skips = layer_skips(self.engine.model.config, begin, end)
         job = PrefillJob(seq, begin, dst, transfer.transfer, skips)
         cached = seq.num_computed
-        self.tiers.served(end, cached, read_back)
+        self.tiers.served(end, cached, read_back.tokens)
         self.tracer.event(req.request_id, "prefix_matched", matched_tokens=cached, prompt_tokens=end)
         self.scheduler.submit(job)
         ok = False

@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how many times one request may be continued on another decode node after its decode "
                    "node died mid-stream, from the tokens already streamed; 0: the break reaches the client as "
                    "UNAVAILABLE (default %(default)s)")
+    p.add_argument("--prefix-fetch", choices=("on", "off"), default="on",
+                   help="with --routing prefix: when another decode node holds more of a prompt than the one chosen "
+                   "(in its pool or disk tier), name it in the Generate (prefix_holder) so the chosen node fetches the "
+                   "prefix from it instead of computing it (default %(default)s)")
     add_routing_args(p, "the decode node and the prefill node of each request")
     add_tls_args(p)
     add_openai_args(p)
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     index = KvIndex() if args.policy.mode == "prefix" else None
     watch = KvWatch(decode, index, retry_seconds=args.poll_seconds) if index is not None else None
     router = Router(load_tokenizer(args.model or default_model_path()), decode, prefill,
-                    NodeChooser(args.policy, index), args.min_remote_prefill_tokens, args.migration_limit)
+                    NodeChooser(args.policy, index), args.min_remote_prefill_tokens, args.migration_limit,
+                    prefix_fetch=args.prefix_fetch == "on")
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(RouterService(router), daemon.server)
     decode.on_health = lambda: daemon.set_ready(bool(decode.healthy()))  # SERVING while a decode node is healthy
     decode.on_health()

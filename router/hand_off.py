@@ -41,11 +41,23 @@ _PROBE_TIMEOUT_S = 1.0  # for a decode node whose stream broke with INTERNAL or 
 SETTLE_S = 3.0
 
 
+def prefix_holder(chosen: Choice, choices: list[Choice], min_tokens: int) -> pb.PrefixHolder | None:
+    """The decode node believed to hold the most of the prompt, when that is at least `min_tokens`
+    more than `chosen` holds (worth a hand-off)."""
+    best = max((c for c in choices if c is not chosen), key=lambda c: c.cached_tokens, default=None)
+    if best is None or best.cached_tokens - chosen.cached_tokens < min_tokens:
+        return None
+    return pb.PrefixHolder(address=best.member.address, cached_tokens=best.cached_tokens)
+
+
 class Router:
     def __init__(self, tokenizer: Tokenizer, decode: Membership[duet_pb2_grpc.DecodeNodeStub], prefill: PrefillPool,
-                 chooser: NodeChooser, min_remote_prefill_tokens: int = 32, migration_limit: int = 1) -> None:
+                 chooser: NodeChooser, min_remote_prefill_tokens: int = 32, migration_limit: int = 1,
+                 prefix_fetch: bool = True) -> None:
         """`migration_limit`: how many times one request may be continued on another decode node
-        after its node died mid-stream (0: the break reaches the client)."""
+        after its node died mid-stream (0: the break reaches the client). `prefix_fetch`: name the
+        decode node that holds more of a prompt than the chosen one (GenerateRequest.prefix_holder),
+        so the chosen one fetches it from there instead of computing it."""
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self.tokenizer = tokenizer
@@ -54,9 +66,11 @@ class Router:
         self.chooser = chooser
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
         self.migration_limit = migration_limit
+        self.prefix_fetch = prefix_fetch
         self.registry = CollectorRegistry()
         self.routed = Counter("duet_router_requests", "Requests by how their prompt was prefilled "
-                              "(remote: by a prefill node; local: by the decode node)", ["prefill"],
+                              "(remote: by a prefill node; local: by the decode node; prefix_fetch: the decode node, "
+                              "after fetching the prefix another decode node held)", ["prefill"],
                               registry=self.registry)
         self.expected_hits = Counter("duet_router_expected_cache_hit_tokens", "Prompt tokens the chosen decode "
                                      "node was believed to hold in its prefix cache", registry=self.registry)
@@ -103,7 +117,8 @@ class Router:
                     stream = dn.stub.Generate(relayed.continue_request(rid, tokens, request.sampling))
                 else:
                     relayed.cached_tokens = choice.cached_tokens
-                    stream = self._run(dn, choice.cached_tokens, rid, tokens, request.sampling)
+                    holder = prefix_holder(choice, choices, self.min_remote_prefill_tokens) if self.prefix_fetch else None
+                    stream = self._run(dn, choice.cached_tokens, rid, tokens, request.sampling, holder)
                 for chunk in stream:
                     relayed.record(chunk)
                     yield chunk
@@ -166,9 +181,14 @@ class Router:
             return True
         return False
 
-    def _run(self, dn: Member, cached: int, rid: str, tokens: list[int],
-             sampling: pb.SamplingParams) -> Iterator[pb.GenerationChunk]:
+    def _run(self, dn: Member, cached: int, rid: str, tokens: list[int], sampling: pb.SamplingParams,
+             holder: pb.PrefixHolder | None = None) -> Iterator[pb.GenerationChunk]:
         scoring = sampling.HasField("prompt_logprobs")
+        if holder is not None and not scoring:
+            self.routed.labels("prefix_fetch").inc()
+            yield from dn.stub.Generate(pb.GenerateRequest(request_id=rid, token_ids=tokens, sampling=sampling,
+                                                           prefix_holder=holder))
+            return
         if worth_remote(len(tokens), cached, self.min_remote_prefill_tokens, scoring, self.prefill):
             stream = hand_off(rid, tokens, _RpcSteps(dn, rid, tokens, sampling), self.prefill)
             if stream is not None:

@@ -35,7 +35,6 @@ import torch
 from common.engine.core import Engine, locked
 from common.kv.block_hashes import block_hashes
 from common.kv.disk_tier import DiskTier
-from common.kv.page_allocator import OutOfPages
 
 log = logging.getLogger(__name__)
 STAGED_BYTES = 256 << 20  # copies of evicted pages waiting for the writer, at most
@@ -72,6 +71,7 @@ class KvOffload:
         # (block hash, parent's hash, tokens) to write, or None: stop
         self._queue: queue.SimpleQueue[tuple[int, int | None, tuple[int, ...]] | None] = queue.SimpleQueue()
         self._staged: dict[int, tuple[tuple[int, ...], bytes]] = {}  # evicted, not yet written: tokens, bytes
+        self._filling = threading.Lock()  # held by the read-back taking pages (or waiting for room)
         self._writer = threading.Thread(target=self._write_pages, name="kv-offload-writer", daemon=True)
         self._writer.start()
         engine.prefix_cache.on_cached = self._cached
@@ -102,21 +102,28 @@ class KvOffload:
 
     def _write_pages(self) -> None:
         while (item := self._queue.get()) is not None:
-            block_hash, parent, token_ids = item
+            block_hash = item[0]
+            if block_hash not in self.tier:  # queued again since (evicted, recorded anew)
+                self._write_page(*item)
             with self.lock:
-                staged = self._staged.get(block_hash)
-            if staged is not None:
-                self._write(block_hash, parent, token_ids, staged[1])
-                with self.lock:
-                    del self._staged[block_hash]
-                continue
-            page = self._pin(block_hash)
-            if page is None:
-                continue  # evicted before its turn and written from its copy, or skipped
-            try:
-                self._write(block_hash, parent, token_ids, self._page_bytes(page))
-            finally:
-                self._unpin(page)
+                self._staged.pop(block_hash, None)
+                if self._queue.empty():  # the pages it held for writing are evictable again
+                    self.engine.room_made.notify_all()
+
+    def _write_page(self, block_hash: int, parent: int | None, token_ids: tuple[int, ...]) -> None:
+        """From its copy when it was evicted, else from the page that holds it now."""
+        with self.lock:
+            staged = self._staged.get(block_hash)
+        if staged is not None:
+            self._write(block_hash, parent, token_ids, staged[1])
+            return
+        page = self._pin(block_hash)
+        if page is None:
+            return  # evicted while its copy could not be kept (counted)
+        try:
+            self._write(block_hash, parent, token_ids, self._page_bytes(page))
+        finally:
+            self._unpin(page)
 
     def _write(self, block_hash: int, parent: int | None, token_ids: tuple[int, ...], payload: bytes) -> None:
         try:
@@ -138,7 +145,6 @@ class KvOffload:
     @locked
     def _unpin(self, page: int) -> None:
         self.engine.allocator.decref([page])
-        self.engine.room_made.notify_all()  # it may be evictable again
 
     def _page_bytes(self, page: int) -> bytes:
         """One page's K/V as the pool lays it out, `[num_layers, 2, page_size, num_kv_heads, head_dim]`."""
@@ -187,21 +193,27 @@ class KvOffload:
 
     def _fill(self, token_ids: Sequence[int], have: int, payloads: list[bytes], wait_until: float) -> int:
         """Put pages `have ..` of `token_ids` from `payloads` into the prefix cache; how many went in
-        (0 when the pool's prefix shrank meanwhile or no pages could be had in time: they are computed)."""
+        (as many as the pool has room for; 0 when the pool's prefix shrank meanwhile or no page could
+        be had in time: the rest is computed). One read-back at a time takes pages or waits for them."""
         ps, cache = self.engine.page_size, self.engine.prefix_cache
-        with self.lock:
-            while True:
-                held, matched = cache.match(token_ids[: have * ps])
-                if matched < have * ps:  # evicted meanwhile
-                    self.engine.allocator.decref(held)
-                    return 0
-                try:
-                    new = cache.allocate(len(payloads), after=held[-1] if held else None)
-                    break
-                except OutOfPages:
+        if not self._filling.acquire(timeout=max(0.0, wait_until - time.monotonic())):
+            return 0
+        try:
+            with self.lock:
+                while True:
+                    held, matched = cache.match(token_ids[: have * ps])
+                    if matched < have * ps:  # evicted meanwhile
+                        self.engine.allocator.decref(held)
+                        return 0
+                    room = min(len(payloads), self.engine.allocator.num_free + cache.evictable_pages())
+                    if room:
+                        new = cache.allocate(room, after=held[-1] if held else None)
+                        break
                     self.engine.allocator.decref(held)
                     if not self.engine.room_made.wait(max(0.0, wait_until - time.monotonic())):
                         return 0
+        finally:
+            self._filling.release()
         filled = False
         try:  # the new pages are this call's alone: fill them without the lock
             for page, payload in zip(new, payloads):

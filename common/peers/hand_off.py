@@ -2,10 +2,13 @@
 to a prefill node at all, then PrepareReceive, RemoteSend, StartGeneration.
 
 The two callers differ only in how they reach the decode node (the router over gRPC, the decode
-node in process), which `HandOffSteps` hides; the policy is written once, here.
+node in process), which `HandOffSteps` hides; the policy is written once, here. The KV comes from
+a `KvSource`: a pool of prefill nodes computing it, or a decode node holding it in its prefix cache
+(decode_node/prefix_fetch.py).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Generic, Protocol, TypeVar
 
@@ -24,6 +27,14 @@ def worth_remote(prompt_tokens: int, cached_tokens: int, min_remote_prefill_toke
     always computes itself) is under --min-remote-prefill-tokens."""
     return (not scoring_prompt and prefill.healthy()
             and prompt_tokens - 1 - cached_tokens >= min_remote_prefill_tokens)
+
+
+class KvSource(Protocol):
+    """Who writes the KV into the reservation (`PrefillPool` is one)."""
+
+    def push(self, request: pb.RemoteSendRequest, still_wanted: Callable[[], bool] = ...,
+             lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
+        """Have the window written; the address of the node that wrote it, None if none did."""
 
 
 class HandOffSteps(Protocol, Generic[T]):
@@ -45,11 +56,11 @@ class HandOffSteps(Protocol, Generic[T]):
         """StartGeneration; None when the reservation is gone after all (then it is released)."""
 
 
-def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], prefill: PrefillPool,
-             tracer: Tracer | None = None, preferred_prefill: str | None = None) -> T | None:
-    """Run the three calls (on `preferred_prefill` first, when it is one of `prefill`'s nodes);
-    None when the KV did not arrive (nothing is left reserved), so the caller falls back to the
-    decode node's own prefill."""
+def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], source: KvSource,
+             tracer: Tracer | None = None, preferred_prefill: str | None = None, span: str = "remote_prefill") -> T | None:
+    """Run the three calls (on `preferred_prefill` first, when it is one of `source`'s nodes),
+    traced as `span`; None when the KV did not arrive (nothing is left reserved), so the caller
+    falls back to the decode node's own prefill."""
     p = steps.prepare()
     if p is None:
         return None
@@ -58,10 +69,10 @@ def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], prefill
             request_id=request_id, token_ids=tokens, kv_window_begin=p.kv_window_begin,
             kv_window_end=p.kv_window_end, kv_append_metadata=p.kv_append_metadata,
             decode_address=steps.decode_address, transfer_nonce=p.transfer_nonce)
-        with tracer.span(request_id, "remote_prefill") if tracer else nullcontext({}) as span:
-            span["prefill"] = prefill.push(request, still_wanted=steps.still_wanted,
+        with tracer.span(request_id, span) if tracer else nullcontext({}) as traced:
+            traced["prefill"] = source.push(request, still_wanted=steps.still_wanted,
                                            lease_deadline_unix=p.lease_deadline_unix, preferred=preferred_prefill)
-        if span["prefill"] is None or not steps.still_wanted():
+        if traced["prefill"] is None or not steps.still_wanted():
             steps.release()
             return None
     return steps.start(p.kv_window_end)

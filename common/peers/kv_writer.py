@@ -4,8 +4,9 @@ node verifies them) after the last, and an `abandoned` report when a one-sided t
 so the decode node can reuse the pages at once instead of quarantining them.
 
 Two kinds of node write: a prefill node writes the KV it computes, layer by layer as the forward
-finishes each; a decode node writes a running request's KV when it migrates it to another
-decode node (decode_node/migration.py). Both write through one `KvWriter`.
+finishes each; a decode node writes KV it already holds (`write`): a running request's when it
+migrates it to another decode node (decode_node/migration.py), a cached prefix's when another
+decode node fetches it (decode_node/prefix_fetch.py). Both write through one `KvWriter`.
 """
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ import torch
 
 from common.errors import RequestError, Unavailable
 from common.kv.pool import KVPool
+from common.kv.segments import Segments
 from common.peers.decode_peers import DecodePeer, DecodePeers
 from common.serving.incarnation import INCARNATION, writer_identity
 from common.serving.tls import TlsFiles
 from common.transports import TransferError
 from common.transports.checksum import kv_checksums
 from common.transports.connector import KvSender, Transfer
+from common.transports.pieces import per_layer, plan_pieces
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
@@ -93,6 +96,23 @@ class KvWriter:
         self.call(peer, peer.stub.CompleteTransfer, pb.CompleteTransferRequest(
             request_id=job.request_id, transfer_nonce=job.nonce,
             kv_checksums=checksums.result() if checksums else ()), deadline)
+
+    def write(self, peer: DecodePeer, request_id: str, nonce: int, metadata: list[int], src_slots: torch.Tensor,
+              skips: Sequence[int], deadline: float) -> None:
+        """Write K/V this node holds, at `src_slots` (the reserved window's positions, in order),
+        into the reservation (request_id, nonce) at `peer`, layer i from position skips[i] of the
+        window on: admitted, every layer posted, every byte landed, confirmed."""
+        n = len(src_slots)
+        dst = Segments.from_wire(metadata, n, num_slots=peer.info.num_slots)
+        job = self.begin(peer, request_id, nonce, metadata, deadline)
+        try:
+            pieces = per_layer(skips, lambda skip: plan_pieces(src_slots[skip:], dst.window(skip, n)))
+            for layer, layer_pieces in enumerate(pieces):
+                job.transfer.post_layer(layer, layer_pieces)
+            self.finish(job, src_slots, deadline, skips)
+        except BaseException:
+            self.fail(job)
+            raise
 
     def fail(self, job: OpenTransfer) -> None:
         """Stop a transfer that will not complete; when its writes landed unseen (one-sided) and

@@ -4,8 +4,9 @@ matched, traced, and counted by where each prompt token's KV came from.
 
 Metrics (in the node's registry):
 - `duet_prompt_tokens{source}`: prompt tokens by source: `pool` (the prefix cache held them),
-  `disk` (read back from the tier for this request), `computed` (prefilled, here or, on a decode
-  node, by the prefill node it handed the prompt to);
+  `disk` (read back from the tier for this request), `peer` (written by another decode node that
+  held them, decode_node/prefix_fetch.py), `computed` (prefilled, here or, on a decode node, by
+  the prefill node it handed the prompt to);
 - `duet_prefix_cache_hit_tokens`: pool and disk together (what the prefix cache served);
 - with a tier: `duet_kv_tier_blocks`, `duet_kv_tier_bytes` and `duet_kv_tier_capacity_bytes`
   (gauges), `duet_kv_tier_pages{direction}` and `duet_kv_tier_transferred_bytes{direction}`
@@ -43,7 +44,8 @@ class KvTiers:
             self.offload = KvOffload(engine, tier)
             registry.register(_TierCollector(self.offload))
         self.prompt_tokens = Counter("duet_prompt_tokens", "Prompt tokens by where their KV came from: pool (the "
-                                     "prefix cache), disk (read back from --kv-offload-dir), computed (prefilled)",
+                                     "prefix cache), disk (read back from --kv-offload-dir), peer (another decode node "
+                                     "that held them), computed (prefilled)",
                                      ["source"], registry=registry)
         self.prefix_hit_tokens = Counter("duet_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
                                          "cache (pool or disk)", registry=registry)
@@ -64,13 +66,13 @@ class KvTiers:
                               seconds=round(got.seconds, 6))
         return got
 
-    def served(self, prompt_tokens: int, matched: int, read_back: ReadBack) -> None:
-        """A prompt of `prompt_tokens` whose first `matched` came from the prefix cache, after
-        `read_back` brought some of them from disk."""
-        disk = min(read_back.tokens, matched)
+    def served(self, prompt_tokens: int, matched: int, from_disk: int, rest: str = "computed") -> None:
+        """A prompt of `prompt_tokens` whose first `matched` came from the prefix cache, `from_disk`
+        of them read back for it; the rest came from `rest` (computed, or a peer)."""
+        disk = min(from_disk, matched)
         self.prompt_tokens.labels("pool").inc(matched - disk)
         self.prompt_tokens.labels("disk").inc(disk)
-        self.prompt_tokens.labels("computed").inc(prompt_tokens - matched)
+        self.prompt_tokens.labels(rest).inc(prompt_tokens - matched)
         self.prefix_hit_tokens.inc(matched)
 
 

@@ -250,7 +250,7 @@ class SampleContinuation(_message.Message):
     def __init__(self, index: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., random_state: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "prompt", "messages", "sampling", "tools", "continuation")
+    __slots__ = ("request_id", "token_ids", "prompt", "messages", "sampling", "tools", "continuation", "prefix_holder")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOLDER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
@@ -265,7 +266,16 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     tools: _containers.RepeatedCompositeFieldContainer[FunctionTool]
     continuation: Continuation
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    prefix_holder: PrefixHolder
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., prefix_holder: _Optional[_Union[PrefixHolder, _Mapping]] = ...) -> None: ...
+
+class PrefixHolder(_message.Message):
+    __slots__ = ("address", "cached_tokens")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    cached_tokens: int
+    def __init__(self, address: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
     __slots__ = ("request_id", "target_address")

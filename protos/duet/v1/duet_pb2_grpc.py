@@ -94,6 +94,11 @@ class DecodeNodeStub:
                 request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainRequest.SerializeToString,
                 response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.SendPrefix = channel.unary_unary(
+                '/duet.v1.DecodeNode/SendPrefix',
+                request_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.SerializeToString,
+                response_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -183,6 +188,16 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendPrefix(self, request, context):
+        """RemoteSend from this node's prefix cache (pool or disk tier), computing nothing: write the
+        K/V of [kv_window_begin, kv_window_end) of token_ids into decode_address's reservation, when
+        this node holds all of token_ids[0:kv_window_end); else FAILED_PRECONDITION, nothing written.
+        What a decode node asks of a GenerateRequest's prefix_holder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +260,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.DrainResponse.SerializeToString,
+            ),
+            'SendPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendPrefix,
+                    request_deserializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.FromString,
+                    response_serializer=protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -571,6 +591,33 @@ class DecodeNode:
             '/duet.v1.DecodeNode/Drain',
             protos_dot_duet_dot_v1_dot_duet__pb2.DrainRequest.SerializeToString,
             protos_dot_duet_dot_v1_dot_duet__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeNode/SendPrefix',
+            protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendRequest.SerializeToString,
+            protos_dot_duet_dot_v1_dot_duet__pb2.RemoteSendResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,149 @@
+"""Prefixes fetched from the decode node that holds them, instead of computed
+(`GenerateRequest.prefix_holder`, named by a router from its KV index; `--prefix-fetch`).
+
+The fetching node runs the hand-off (common/peers/hand_off.py) on itself with the holder in a
+prefill node's place: PrepareReceive of the positions it lacks up to the holder's cached length
+(whole pages), the holder's `SendPrefix` writes them, StartGeneration computes the rest of the
+prompt here. A holder that refuses (it holds less by now), is gone, or does not answer within
+`FETCH_TIMEOUT_S` costs that time and a local prefill, never a wrong token: the received KV is
+checked against the holder's checksums as any writer's.
+
+The holding node (`send`) reads back from its disk tier what the pool lacks, matches the prompt
+in its prefix cache, and, when it holds every position asked for, writes them with the node's
+`KvWriter` as migration writes a running request's; it computes nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from common.daemon_limits import check_request_id
+from common.engine.attention_window import layer_skips
+from common.engine.core import Engine
+from common.engine.generation import RequestHandle
+from common.engine.sampling import SamplingParams
+from common.errors import FailedPrecondition, InvalidArgument
+from common.kv.segments import MetadataError, Segments, slot_range
+from common.peers.hand_off import hand_off
+from common.peers.kv_writer import KvWriter
+from common.serving.kv_tiers import KvTiers
+from common.tracing import Tracer
+from common.transports.pieces import transfer_bytes
+from decode_node.config import DecodeNodeConfig
+from decode_node.hand_off import HandOff
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
+
+log = logging.getLogger(__name__)
+FETCH_TIMEOUT_S = 10.0  # a holder slower than this is given up on: the prefix is computed here
+
+
+class PrefixFetch:
+    def __init__(self, config: DecodeNodeConfig, engine: Engine, hand_off: HandOff, tiers: KvTiers,
+                 kv_writer: KvWriter, tracer: Tracer, check_prompt: Callable[[list[int]], list[int]]) -> None:
+        self.config = config
+        self.engine = engine
+        self.hand_off = hand_off
+        self.tiers = tiers
+        self.kv_writer = kv_writer
+        self.tracer = tracer
+        self._check_prompt = check_prompt
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    # ---- the fetching node ----
+
+    def fetch(self, request_id: str, tokens: list[int], params: SamplingParams, sampling: pb.SamplingParams | None,
+              cancelled: Callable[[], bool], deadline: float | None, holder: pb.PrefixHolder,
+              cached: int) -> tuple[RequestHandle | None, bool]:
+        """Generate with the prompt's prefix written by `holder`, when it holds enough more than
+        the `cached` tokens this node has: the handle (None when nothing was fetched: compute it),
+        and whether the request was aborted meanwhile."""
+        ps = self.engine.page_size
+        end = min(holder.cached_tokens, len(tokens) - 1) // ps * ps
+        if (self.config.prefix_fetch == "off" or holder.address == self.config.advertise_address
+                or end - cached < self.config.min_remote_prefill_tokens):
+            return None, False
+        source = _Holder(self._stub(holder.address), holder.address)
+        return self.hand_off.generate_remote(request_id, tokens, params, sampling, cancelled, deadline,
+                                             source=source, end=end)
+
+    def _stub(self, address: str) -> duet_pb2_grpc.DecodeNodeStub:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = self.config.tls.channel(address)
+            return duet_pb2_grpc.DecodeNodeStub(channel)
+
+    # ---- the holding node ----
+
+    def send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
+        """SendPrefix: write positions [kv_window_begin, kv_window_end) of the prompt, all held
+        here, into `decode_address`'s reservation."""
+        check_request_id(req.request_id)
+        n, begin, end = len(req.token_ids), req.kv_window_begin, req.kv_window_end
+        if not 0 <= begin < end <= n:
+            raise InvalidArgument(f"need 0 <= kv_window_begin < kv_window_end <= len(token_ids); got begin={begin}, "
+                                  f"end={end}, {n} tokens")
+        tokens = self._check_prompt(list(req.token_ids))[:end]
+        metadata = list(req.kv_append_metadata)
+        try:
+            Segments.from_wire(metadata, end - begin, num_slots=2**62)
+        except MetadataError as exc:
+            raise InvalidArgument(f"kv_append_metadata: {exc}") from None
+        deadline = time.monotonic() + min(timeout_s or FETCH_TIMEOUT_S, FETCH_TIMEOUT_S)
+        started = time.perf_counter()
+        self.tiers.read_back(req.request_id, tokens, deadline)
+        ps = self.engine.page_size
+        with self.engine.lock:
+            pages, matched = self.engine.prefix_cache.match(tokens[: end // ps * ps])
+        try:
+            if matched < end:
+                raise FailedPrecondition(f"this node holds {matched} of the {end} prompt tokens asked for (whole "
+                                         f"pages of its prefix cache or disk tier): compute them instead")
+            peer = self.kv_writer.peers.get(req.decode_address)
+            skips = layer_skips(self.engine.model.config, begin, end)
+            self.kv_writer.write(peer, req.request_id, req.transfer_nonce, metadata,
+                                 slot_range(pages, ps, begin, end), skips, deadline)
+        finally:
+            with self.engine.lock:
+                self.engine.allocator.decref(pages)
+        seconds = time.perf_counter() - started
+        self.tracer.event(req.request_id, "prefix_sent", decode=req.decode_address, tokens=end - begin,
+                          seconds=round(seconds, 6))
+        return pb.RemoteSendResponse(tokens_sent=end - begin, tokens_computed=0,
+                                     bytes_sent=transfer_bytes(self.engine.pool, end - begin, skips),
+                                     transfer_seconds=seconds)
+
+
+class _Holder:
+    """The holder, as the hand-off calls the node that writes the KV (a PrefillPool's `push`)."""
+
+    def __init__(self, stub: duet_pb2_grpc.DecodeNodeStub, address: str) -> None:
+        self._stub = stub
+        self.address = address
+
+    def push(self, request: pb.RemoteSendRequest, still_wanted: Callable[[], bool] = lambda: True,
+             lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
+        timeout = FETCH_TIMEOUT_S if lease_deadline_unix is None else min(FETCH_TIMEOUT_S,
+                                                                          lease_deadline_unix - time.time())
+        if timeout <= 0 or not still_wanted():
+            return None
+        try:
+            self._stub.SendPrefix(request, timeout=timeout)
+            return self.address
+        except grpc.RpcError as exc:
+            log.info("prefix fetch failed: computing it here", extra={"fields": {
+                "holder": self.address, "request_id": request.request_id, "code": exc.code().name,
+                "details": exc.details()}})
+            return None
