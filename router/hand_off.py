@@ -117,8 +117,9 @@ class Router:
                     stream = dn.stub.Generate(relayed.continue_request(rid, tokens, request.sampling))
                 else:
                     relayed.cached_tokens = choice.cached_tokens
-                    holder = prefix_holder(choice, choices, self.min_remote_prefill_tokens) if self.prefix_fetch else None
-                    stream = self._run(dn, choice.cached_tokens, rid, tokens, request.sampling, holder)
+                    holder = prefix_holder(choice, choices, self.min_remote_prefill_tokens)
+                    stream = self._run(dn, choice.cached_tokens, rid, tokens, request.sampling,
+                                       holder if self.prefix_fetch else None)
                 for chunk in stream:
                     relayed.record(chunk)
                     yield chunk

@@ -57,7 +57,8 @@ class HandOffSteps(Protocol, Generic[T]):
 
 
 def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], source: KvSource,
-             tracer: Tracer | None = None, preferred_prefill: str | None = None, span: str = "remote_prefill") -> T | None:
+             tracer: Tracer | None = None, preferred_prefill: str | None = None,
+             span: str = "remote_prefill") -> T | None:
     """Run the three calls (on `preferred_prefill` first, when it is one of `source`'s nodes),
     traced as `span`; None when the KV did not arrive (nothing is left reserved), so the caller
     falls back to the decode node's own prefill."""

@@ -1,9 +1,9 @@
 """WatchKvEvents, as both daemons serve it: a node's KvEventLog as a stream of duet.v1.KvEvent.
 
-The stream opens with a snapshot (the pool's, then the disk tier's where it holds blocks), or with the missed changes when the request resumes the
-incarnation it watched and the log still holds them, then relays every published change. A
-watcher that falls further behind than the log's history gets a fresh snapshot in-band rather
-than a gap. The stream ends when the daemon starts draining (the watcher reconnects elsewhere or
+The stream opens with a snapshot (the pool's, then the disk tier's where it holds blocks), or
+with the missed changes when the request resumes the incarnation it watched and the log still
+holds them, then relays every published change. A watcher that falls further behind than the
+log's history gets a fresh snapshot in-band rather than a gap. The stream ends when the daemon starts draining (the watcher reconnects elsewhere or
 to the restarted node), so watches never hold up a graceful shutdown.
 """
 from __future__ import annotations

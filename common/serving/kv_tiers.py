@@ -39,8 +39,9 @@ class KvTiers:
         self.offload: KvOffload | None = None
         if config.kv_offload_dir is not None:
             pool = engine.pool
-            tier = DiskTier(config.kv_offload_dir, int(config.kv_offload_gib * GIB), fingerprint_key(engine.model, pool),
-                            pool.num_layers * 2 * pool.page_size * pool.slot_bytes(), engine.kv_events)
+            page_bytes = pool.num_layers * 2 * pool.page_size * pool.slot_bytes()
+            tier = DiskTier(config.kv_offload_dir, int(config.kv_offload_gib * GIB),
+                            fingerprint_key(engine.model, pool), page_bytes, engine.kv_events)
             self.offload = KvOffload(engine, tier)
             registry.register(_TierCollector(self.offload))
         self.prompt_tokens = Counter("duet_prompt_tokens", "Prompt tokens by where their KV came from: pool (the "
