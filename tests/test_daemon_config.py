@@ -24,6 +24,7 @@ def test_defaults():
     assert d.verify_kv == "on" and decode_args(["--verify-kv", "off"]).verify_kv == "off"
     assert d.routing_policy.mode == "prefix" and decode_args(["--routing", "load"]).routing_policy.mode == "load"
     assert d.drain_to == () and decode_args(["--drain-to", "h:1", "--drain-to", "g:2"]).drain_to == ("h:1", "g:2")
+    assert d.kv_offload_dir is p.kv_offload_dir is None and d.kv_offload_gib == 16.0 and d.prefix_fetch == "on"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -39,6 +40,9 @@ def test_defaults():
     (["--drain-to", "host:http"], "--drain-to"),
     (["--kv-events-topic", "kv@x"], "--kv-events-endpoint"),
     (["--kv-events-replay-endpoint", "tcp://*:5558"], "--kv-events-endpoint"),
+    (["--kv-offload-gib", "0"], "--kv-offload-gib"),
+    (["--kv-offload-dir", __file__], "is not a directory"),
+    (["--prefix-fetch", "maybe"], "invalid choice"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
