@@ -5,7 +5,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 from common.engine.core import Engine
 from protos.duet.v1 import duet_pb2 as pb
