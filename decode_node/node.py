@@ -81,8 +81,7 @@ class DecodeNode:
                                 self.prefill_pool, self.tiers, self.tracer, self._check_prompt)
         self.migrations = Migrations(config, self.engine, self.scheduler, self.requests, self.kv_writer,
                                      self.metrics, self.tracer)
-        self.prefix_fetch = PrefixFetch(config, self.engine, self.hand_off, self.tiers, self.kv_writer, self.tracer,
-                                        self._check_prompt)
+        self.prefix_fetch = PrefixFetch(config, self.engine, self.hand_off, self.tiers, self.kv_writer, self.tracer)
         self.draining = False  # new requests are refused: the running ones move to --drain-to nodes
         self.scheduler.start()
         self._sweeper = LeaseSweeper(self.requests, self.writers, self.metrics, self.tracer)

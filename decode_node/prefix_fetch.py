@@ -21,15 +21,14 @@ from collections.abc import Callable
 
 import grpc
 
-from common.daemon_limits import check_request_id
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
 from common.engine.generation import RequestHandle
 from common.engine.sampling import SamplingParams
-from common.errors import FailedPrecondition, InvalidArgument
-from common.kv.segments import MetadataError, Segments, slot_range
+from common.errors import FailedPrecondition
+from common.kv.segments import slot_range
 from common.peers.hand_off import hand_off
-from common.peers.kv_writer import KvWriter
+from common.peers.kv_writer import KvWriter, check_send_request
 from common.serving.kv_tiers import KvTiers
 from common.tracing import Tracer
 from common.transports.pieces import transfer_bytes
@@ -44,14 +43,13 @@ FETCH_TIMEOUT_S = 10.0  # a holder slower than this is given up on: the prefix i
 
 class PrefixFetch:
     def __init__(self, config: DecodeNodeConfig, engine: Engine, hand_off: HandOff, tiers: KvTiers,
-                 kv_writer: KvWriter, tracer: Tracer, check_prompt: Callable[[list[int]], list[int]]) -> None:
+                 kv_writer: KvWriter, tracer: Tracer) -> None:
         self.config = config
         self.engine = engine
         self.hand_off = hand_off
         self.tiers = tiers
         self.kv_writer = kv_writer
         self.tracer = tracer
-        self._check_prompt = check_prompt
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -90,17 +88,10 @@ class PrefixFetch:
     def send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
         """SendPrefix: write positions [kv_window_begin, kv_window_end) of the prompt, all held
         here, into `decode_address`'s reservation."""
-        check_request_id(req.request_id)
-        n, begin, end = len(req.token_ids), req.kv_window_begin, req.kv_window_end
-        if not 0 <= begin < end <= n:
-            raise InvalidArgument(f"need 0 <= kv_window_begin < kv_window_end <= len(token_ids); got begin={begin}, "
-                                  f"end={end}, {n} tokens")
-        tokens = self._check_prompt(list(req.token_ids))[:end]
-        metadata = list(req.kv_append_metadata)
-        try:
-            Segments.from_wire(metadata, end - begin, num_slots=2**62)
-        except MetadataError as exc:
-            raise InvalidArgument(f"kv_append_metadata: {exc}") from None
+        cfg = self.engine.model.config
+        metadata = check_send_request(req, cfg.vocab_size, cfg.max_position_embeddings)
+        begin, end = req.kv_window_begin, req.kv_window_end
+        tokens = list(req.token_ids[:end])
         deadline = time.monotonic() + min(timeout_s or FETCH_TIMEOUT_S, FETCH_TIMEOUT_S)
         started = time.perf_counter()
         self.tiers.read_back(req.request_id, tokens, deadline)

@@ -6,13 +6,12 @@ import uuid
 
 import grpc
 
-from common.daemon_limits import check_prompt, check_request_id
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
 from common.errors import DeadlineExceeded, InvalidArgument, RequestError
 from common.kv.segments import MetadataError, Segments, slot_range
 from common.model.decoder import DecoderModel
-from common.peers.kv_writer import KvWriter
+from common.peers.kv_writer import KvWriter, check_send_request
 from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import INCARNATION
 from common.serving.kv_tiers import KvTiers
@@ -52,15 +51,6 @@ class PrefillNode:
             return node_load(self.engine, running_requests=self.scheduler.num_jobs(),
                              queued_prefill_tokens=self.scheduler.pending_tokens(), incarnation=INCARNATION)
 
-    def _validate(self, req: pb.RemoteSendRequest) -> None:
-        check_request_id(req.request_id)
-        n, begin, end = len(req.token_ids), req.kv_window_begin, req.kv_window_end
-        if not 0 <= begin < end < n:
-            raise InvalidArgument(f"need 0 <= kv_window_begin < kv_window_end < len(token_ids); got "
-                                  f"begin={begin}, end={end}, {n} tokens")
-        cfg = self.engine.model.config
-        check_prompt(req.token_ids, cfg.vocab_size, cfg.max_position_embeddings)
-
     def remote_send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
         """Prefill `token_ids[:end]` and push K/V of `[begin, end)` into the decode node's slots.
 
@@ -69,13 +59,9 @@ class PrefillNode:
         hand-off anyway, so the two should agree."""
         self.tracer.event(req.request_id, "received", rpc="RemoteSend", prompt_tokens=len(req.token_ids),
                           kv_window_begin=req.kv_window_begin, kv_window_end=req.kv_window_end)
-        self._validate(req)
+        cfg = self.engine.model.config
+        metadata = check_send_request(req, cfg.vocab_size, cfg.max_position_embeddings)
         begin, end = req.kv_window_begin, req.kv_window_end
-        metadata = list(req.kv_append_metadata)
-        try:  # shape first, before contacting anyone
-            Segments.from_wire(metadata, end - begin, num_slots=2**62)
-        except MetadataError as exc:
-            raise InvalidArgument(f"kv_append_metadata: {exc}") from None
         timeout_s = min(timeout_s or self.config.transfer_timeout_seconds, self.config.transfer_timeout_seconds)
         deadline = time.monotonic() + timeout_s
         peer = self.writer.peers.get(req.decode_address)

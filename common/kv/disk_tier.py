@@ -171,11 +171,11 @@ class DiskTier:
                         raise BadTierFile(TORN, "shorter than a header")
                     (length,) = _LENGTH.unpack_from(head, len(MAGIC))
                     header = self._header(head + f.read(min(length, MAX_HEADER_BYTES)), block_hash)
-                size = path.stat().st_size
-                if size != len(head) + length + header["payload_bytes"]:
-                    raise BadTierFile(TORN, f"{size} bytes where the header promises more or fewer")
-                parent = header["parent"]
-                found.append((path.stat().st_mtime, TierBlock(block_hash, parent, tuple(header["token_ids"]), size)))
+                stat = path.stat()
+                if stat.st_size != len(head) + length + header["payload_bytes"]:
+                    raise BadTierFile(TORN, f"{stat.st_size} bytes where the header promises more or fewer")
+                block = TierBlock(block_hash, header["parent"], tuple(header["token_ids"]), stat.st_size)
+                found.append((stat.st_mtime, block))
             except ValueError:
                 continue  # not a block's name: not ours
             except BadTierFile as exc:

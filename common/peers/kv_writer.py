@@ -20,9 +20,10 @@ import grpc
 import numpy as np
 import torch
 
-from common.errors import RequestError, Unavailable
+from common.daemon_limits import check_prompt, check_request_id
+from common.errors import InvalidArgument, RequestError, Unavailable
 from common.kv.pool import KVPool
-from common.kv.segments import Segments
+from common.kv.segments import MetadataError, Segments
 from common.peers.decode_peers import DecodePeer, DecodePeers
 from common.serving.incarnation import INCARNATION, writer_identity
 from common.serving.tls import TlsFiles
@@ -34,6 +35,24 @@ from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def check_send_request(req: pb.RemoteSendRequest, vocab_size: int, max_positions: int) -> list[int]:
+    """What a node is asked to write (RemoteSend, SendPrefix), checked before anyone is contacted:
+    the request id, the prompt, the window `0 <= begin < end < len(token_ids)` (the decode node
+    computes the last token itself) and the shape of `kv_append_metadata`, which is returned."""
+    check_request_id(req.request_id)
+    n, begin, end = len(req.token_ids), req.kv_window_begin, req.kv_window_end
+    if not 0 <= begin < end < n:
+        raise InvalidArgument(f"need 0 <= kv_window_begin < kv_window_end < len(token_ids); got "
+                              f"begin={begin}, end={end}, {n} tokens")
+    check_prompt(req.token_ids, vocab_size, max_positions)
+    metadata = list(req.kv_append_metadata)
+    try:
+        Segments.from_wire(metadata, end - begin, num_slots=2**62)
+    except MetadataError as exc:
+        raise InvalidArgument(f"kv_append_metadata: {exc}") from None
+    return metadata
 
 
 @dataclass
@@ -103,7 +122,10 @@ class KvWriter:
         into the reservation (request_id, nonce) at `peer`, layer i from position skips[i] of the
         window on: admitted, every layer posted, every byte landed, confirmed."""
         n = len(src_slots)
-        dst = Segments.from_wire(metadata, n, num_slots=peer.info.num_slots)
+        try:
+            dst = Segments.from_wire(metadata, n, num_slots=peer.info.num_slots)
+        except MetadataError as exc:
+            raise InvalidArgument(f"kv_append_metadata does not fit decode node {peer.address}: {exc}") from None
         job = self.begin(peer, request_id, nonce, metadata, deadline)
         try:
             pieces = per_layer(skips, lambda skip: plan_pieces(src_slots[skip:], dst.window(skip, n)))
