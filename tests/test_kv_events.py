@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from common.kv.block_hashes import ROOT_HASH, block_hashes, chain_hash
-from common.kv.events import KvEventLog
+from common.kv.events import DISK, POOL, KvEventLog
 from common.kv.page_allocator import PageAllocator
 from common.kv.prefix_cache import PrefixCache
 from common.serving.kv_events_zmq import END_OF_REPLAY, KvEventPublisher
@@ -57,6 +57,20 @@ def test_the_log_numbers_changes_and_keeps_only_final_states():
         log.changes_after(4)
     assert log.wait(2, timeout=0) and not log.wait(3, timeout=0.01)
     assert KvEventLog(4).incarnation != log.incarnation
+
+
+def test_each_medium_changes_on_its_own_and_snapshots_by_medium():
+    log = KvEventLog(4)
+    log.stored(1)
+    log.stored(2, medium=DISK)
+    log.removed(3, medium=DISK)
+    log.publish()  # two media touched: two consecutive changes
+    assert [(c.sequence, c.medium, c.stored, c.removed) for c in log.changes_after(0)] == [
+        (1, POOL, (1,), ()), (2, DISK, (2,), (3,))]
+    assert log.num_blocks == log.count(POOL) == 1 and log.count(DISK) == 1
+    sequence, media = log.snapshot_blocks()
+    assert sequence == 2 and {m: [b.block_hash for b in bs] for m, bs in media.items()} == {POOL: [1], DISK: [2]}
+    assert log.snapshot(DISK) == (2, [2])
 
 
 def test_a_prefix_cache_reports_full_pages_but_not_tails():
@@ -110,14 +124,17 @@ def test_the_zmq_publisher_chains_stored_blocks_and_answers_replays():
         log.publish()
         log.removed(12)
         log.publish()
-        assert sub.poll(5000)
-        got = [received()]
-        assert sub.poll(5000)
-        got.append(received())
+        log.stored(12, 11, (5, 6, 7, 8), medium=DISK)  # kept by the disk tier
+        log.publish()
+        got = []
+        for _ in range(3):
+            assert sub.poll(5000)
+            got.append(received())
         first = probe[1] + 1
         assert got == [(b"kv@h:1@m", first, [["BlockStored", [11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU"],
                                              ["BlockStored", [21], None, [9, 9, 9, 9], 4, None, "CPU"]]),
-                       (b"kv@h:1@m", first + 1, [["BlockRemoved", [12], "CPU"]])]
+                       (b"kv@h:1@m", first + 1, [["BlockRemoved", [12], "CPU"]]),
+                       (b"kv@h:1@m", first + 2, [["BlockStored", [12], 11, [5, 6, 7, 8], 4, None, "DISK"]])]
         dealer = context.socket(zmq.DEALER)
         dealer.connect(replay_endpoint)
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
@@ -125,7 +142,7 @@ def test_the_zmq_publisher_chains_stored_blocks_and_answers_replays():
         while not replayed or replayed[-1][0] != END_OF_REPLAY:
             assert dealer.poll(5000)
             replayed.append(dealer.recv_multipart()[1:])
-        assert [int.from_bytes(r[0], "big", signed=True) for r in replayed] == [*range(first + 2), -1]
+        assert [int.from_bytes(r[0], "big", signed=True) for r in replayed] == [*range(first + 3), -1]
         assert msgpack.unpackb(replayed[0][1])[1] == [["AllBlocksCleared"]]  # the first message: a reset
         assert replayed[-1][1] == b""
         dealer.send_multipart([b"", b"not a sequence"])  # malformed: nothing but the end marker

@@ -25,6 +25,22 @@ def snapshot(blocks: list[int], incarnation: str = "a", sequence: int = 5) -> pb
     return pb.KvEvent(incarnation=incarnation, sequence=sequence, snapshot=True, stored_blocks=blocks, block_size=PS)
 
 
+def test_blocks_on_a_nodes_disk_tier_count_as_held_and_its_snapshot_replaces_only_them():
+    index = KvIndex()
+    hashes = block_hashes(PROMPT, PS)
+    assert index.apply("n", snapshot(hashes[:1]))
+    disk = pb.KvEvent(incarnation="a", sequence=5, snapshot=True, stored_blocks=hashes[1:3], block_size=PS,
+                      medium="disk")  # the second half of the snapshot, at its sequence
+    assert index.apply("n", disk)
+    assert index.cached_tokens(["n"], PROMPT) == {"n": 3 * PS} and index.num_blocks("n") == 1
+    assert index.apply("n", pb.KvEvent(incarnation="a", sequence=6, removed_blocks=hashes[2:3], medium="disk"))
+    assert index.apply("n", pb.KvEvent(incarnation="a", sequence=7, stored_blocks=hashes[3:4], block_size=PS))
+    assert index.cached_tokens(["n"], PROMPT) == {"n": 2 * PS}  # the run stops at the block gone from disk
+    assert not index.apply("n", pb.KvEvent(incarnation="a", sequence=9, stored_blocks=hashes[2:3], medium="disk"))
+    assert index.apply("n", snapshot([], sequence=9))  # a pool snapshot forgets the disk's blocks too
+    assert index.cached_tokens(["n"], PROMPT) == {"n": 0}
+
+
 def test_the_index_applies_events_in_order_and_refuses_what_does_not_follow():
     index = KvIndex()
     hashes = block_hashes(PROMPT, PS)
