@@ -91,5 +91,5 @@ class GrpcTarget:
             prompt_tokens=usage.prompt_tokens or (sample.prompt_len or 0),
             completion_tokens=usage.completion_tokens or len(ids), cached_tokens=usage.cached_tokens,
             finish_reason=final.finish_reason if final is not None else "", status=status, error=error,
-            text="".join(texts), token_ids=ids,
+            text="".join(texts), token_ids=ids, retries=attempt,
         )

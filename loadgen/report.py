@@ -145,6 +145,7 @@ def _request_to_dict(r: RequestResult) -> dict:
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
         "cacheable_tokens": r.cacheable_tokens,
+        "retries": r.retries,
         "text": r.text,
     }
 

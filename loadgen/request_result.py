@@ -26,6 +26,7 @@ class RequestResult:
     error: str = ""
     text: str = ""  # the generated text, so answers of two servers can be compared
     token_ids: list[int] = field(default_factory=list)  # the generated ids, where the protocol carries them (gRPC)
+    retries: int = 0  # targets (--targets A,B) that became UNAVAILABLE before the one that ended the request
 
     @property
     def ok(self) -> bool:

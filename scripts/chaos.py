@@ -34,6 +34,7 @@ prefill node posts 300 per-layer writes per request):
   (`--migration-limit`, tests/test_crash_continuation.py) it continues on another decode node.
 
 Usage: python -m scripts.chaos [--transports nixl,tcp] [--cells a,b] [--json FILE] [--log-dir DIR]
+       python -m scripts.chaos --load ...  (chaos under load: scripts/chaos_load.py)
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import argparse
 import json
 import random
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -464,6 +466,10 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--load" in argv:  # the same faults, random, under load: scripts/chaos_load.py
+        from scripts.chaos_load import main as chaos_under_load
+        return chaos_under_load([a for a in argv if a != "--load"])
     p = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--cells", default=",".join(c.name for c in CELLS), help="comma-separated cell names")

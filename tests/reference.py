@@ -40,12 +40,22 @@ def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
 
 def engine_greedy(model: DecoderModel, prompt: list[int], num_tokens: int, page_size: int = 16) -> list[int]:
     """Greedy continuation with our engine: one prefill, then single-token decode steps."""
-    engine = Engine(model, num_pages=-(-(len(prompt) + num_tokens) // page_size) + 1, page_size=page_size)
-    seq = engine.new_sequence("ref", prompt, use_prefix_cache=False)
-    tokens = []
-    while len(tokens) < num_tokens:
-        engine.reserve(seq, len(seq.token_ids))
-        logits = engine.forward([(seq, seq.num_pending)])
-        tokens.append(int(logits[0].argmax()))
-        seq.token_ids.append(tokens[-1])
+    return engine_greedy_many(model, [prompt], num_tokens, page_size)[0]
+
+
+def engine_greedy_many(model: DecoderModel, prompts: list[list[int]], num_tokens: int,
+                       page_size: int = 16) -> list[list[int]]:
+    """engine_greedy of several prompts, run as one batch per step (a row's tokens do not depend
+    on the batch around it, which tests/test_engine.py checks)."""
+    engine = Engine(model, num_pages=sum(-(-(len(p) + num_tokens) // page_size) + 1 for p in prompts),
+                    page_size=page_size)
+    seqs = [engine.new_sequence(f"ref{i}", p, use_prefix_cache=False) for i, p in enumerate(prompts)]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for _ in range(num_tokens):
+        for seq in seqs:
+            engine.reserve(seq, len(seq.token_ids))
+        logits = engine.forward([(seq, seq.num_pending) for seq in seqs])
+        for seq, row, out in zip(seqs, logits, tokens):
+            out.append(int(row.argmax()))
+            seq.token_ids.append(out[-1])
     return tokens

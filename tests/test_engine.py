@@ -8,7 +8,7 @@ from common.engine.core import Engine
 from common.kv.page_allocator import OutOfPages
 from common.kv.segments import slot_range
 from tests.helpers import random_ids
-from tests.reference import engine_greedy
+from tests.reference import engine_greedy, engine_greedy_many
 from tests.test_model_vs_transformers import full_logits
 
 
@@ -36,19 +36,8 @@ def test_chunked_prefill_equals_one_shot(model):
 
 def test_batched_decode_of_mixed_lengths_equals_each_alone(model):
     prompts = [random_ids(n, 10 + n) for n in (5, 17, 40, 64)]
-    alone = [engine_greedy(model, p, 6) for p in prompts]
-    engine = Engine(model, num_pages=64, page_size=16)
-    seqs = [engine.new_sequence(str(i), p, use_prefix_cache=False) for i, p in enumerate(prompts)]
-    outputs: list[list[int]] = [[] for _ in seqs]
     # One batched prefill of all prompts, then batched single-token decode steps.
-    for _ in range(6):
-        for s in seqs:
-            engine.reserve(s, len(s.token_ids))
-        logits = engine.forward([(s, s.num_pending) for s in seqs])
-        for s, out, row in zip(seqs, outputs, logits):
-            out.append(int(row.argmax()))
-            s.token_ids.append(out[-1])
-    assert outputs == alone
+    assert engine_greedy_many(model, prompts, 6) == [engine_greedy(model, p, 6) for p in prompts]
 
 
 def test_reserve_is_all_or_nothing(model):

@@ -140,4 +140,5 @@ def test_a_killed_routers_clients_go_on_at_the_other_router(cluster, model, tmp_
     assert run.returncode == 0, stderr
     retried = json.loads((tmp_path / "retried.json").read_text())
     assert retried["summary"]["completed"] == 4
+    assert any(r["retries"] == 1 for r in retried["requests"])  # went on at the other router
     assert {r["index"]: r["text"] for r in retried["requests"]} == {r.index: r.text for r in reference.requests}
