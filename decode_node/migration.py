@@ -119,12 +119,13 @@ class Migrations:
         try:
             response, first = self._hand_over(m, peer)
         except BaseException as exc:
-            self._clean_target(m, peer)
+            try:
+                self._clean_target(m, peer)
+            finally:  # whatever the clean-up met, the request decodes on here (or ends, if aborted)
+                self._end(m, "aborted" if m.aborted else "failed", resume=not m.aborted)
             if m.aborted:
-                self._end(m, "aborted", resume=False)
                 raise RequestError(f"request {request_id!r} was aborted during its migration",
                                    grpc.StatusCode.ABORTED) from None
-            self._end(m, "failed", resume=True)
             if isinstance(exc, grpc.RpcError):
                 raise RequestError.from_rpc(exc, f"target decode node {target}") from None
             raise
@@ -206,7 +207,7 @@ class Migrations:
             m.call.cancel()
         for rid in m.reserved:
             try:
-                peer.stub.Abort(pb.AbortRequest(request_id=rid), timeout=2.0)
+                self.writer.tell(peer, "Abort", pb.AbortRequest(request_id=rid))  # the push may have dropped the peer
             except grpc.RpcError:
                 pass  # gone, claimed or expired already
 

@@ -154,9 +154,9 @@ class Cluster:
             n.daemon = self._spawner.submit(NetnsDaemon, n.host, MODULES[n.role], n.args,
                                             self.log_dir / f"{n.name}_{n.incarnation}.log",
                                             advertise=n.role != "router").result()
+            n.daemon.stub = STUBS[n.role](n.daemon.channel)
         for n in nodes:
             n.daemon.wait_healthy(600)
-            n.daemon.stub = STUBS[n.role](n.daemon.channel)
 
     def signal(self, node: Node, sig: int) -> None:
         node.daemon.proc.send_signal(sig)
@@ -221,6 +221,7 @@ class Record:
     entry: str  # the node the client tried first
     prompt: list[int]
     status: str  # "OK", a gRPC status name, "HUNG", "NOT_SENT" (an earlier turn failed)
+    error: str = ""
     tokens: list[int] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
@@ -293,7 +294,7 @@ class Load:
             self.streaming.add(rid)
             try:
                 r: RequestResult = await asyncio.wait_for(sent, HUNG_AFTER_S)
-                record.status, record.tokens, record.retries = r.status, r.token_ids, r.retries
+                record.status, record.error, record.tokens, record.retries = r.status, r.error, r.token_ids, r.retries
             except asyncio.TimeoutError:
                 record.status = "HUNG"
             finally:
@@ -391,12 +392,16 @@ class Chaos:
                 time.sleep(RESTART_PAUSE_S)
                 c.start(node)
                 fault.outcome = f"{r.requests_migrated} migrated, exited, restarted"
-        except Exception as exc:  # the fault's own failure is reported, the run goes on
-            fault.outcome = f"fault failed: {type(exc).__name__}: {exc}"
-        fault.whole_after = self._whole_after(started)
-        self.faults.append(fault)
-        with self._lock:
-            self._busy -= roles
+        except grpc.RpcError as exc:  # the fault's own failure is reported, the run goes on
+            fault.outcome = f"fault failed: {exc.code().name}: {exc.details()}"
+        except Exception as exc:
+            fault.outcome = f"fault failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        try:
+            fault.whole_after = self._whole_after(started)
+        finally:
+            self.faults.append(fault)
+            with self._lock:
+                self._busy -= roles
 
     def _migrate(self, rng: random.Random) -> tuple[list[str], str]:
         """Migrate a request that is streaming now to another decode node."""
@@ -442,6 +447,7 @@ class Pass:
     goodput: float  # exact completions per second
     router_retries: int  # requests a router's death moved to the other router
     router_retries_exact: int
+    failures: list[str] = field(default_factory=list)  # each failed or wrong request, and why
 
 
 @dataclass
@@ -473,10 +479,13 @@ def summarize(name: str, records: list[Record], routers: set[str]) -> Pass:
     exact = [r for r in ok if r.exact]
     retried = [r for r in records if r.retries and r.entry in routers]
     seconds = max((r.end for r in records), default=0.0)
+    failures = [f"{r.request_id} (at {r.entry}, {r.start:.0f}-{r.end:.0f} s, {r.retries} retries, "
+                f"{len(r.tokens)} tokens{', WRONG' if r.exact is False else ''}): {r.status} {r.error}".rstrip()
+                for r in records if r.status not in ("OK", "NOT_SENT") or r.exact is False]
     return Pass(name, len(records), len(ok), dict(Counter(r.status for r in records if r.status != "OK")),
                 sum(r.exact is False for r in records), sum(r.status == "HUNG" for r in records), seconds,
                 len(exact) / seconds if seconds else 0.0, len(retried),
-                sum(r.status == "OK" and bool(r.exact) for r in retried))
+                sum(r.status == "OK" and bool(r.exact) for r in retried), failures)
 
 
 def statuses(records: list[Record]) -> str:
@@ -544,6 +553,8 @@ def report(run: Run) -> str:
         lines.append(f"| {p.name} | {p.requests} | {p.completed} ({100 * p.completed / max(p.requests, 1):.1f}%) "
                      f"| {failed} | {p.wrong} | {p.hung} | {p.seconds:.0f} | {p.goodput:.3f} "
                      f"| {p.router_retries} ({p.router_retries_exact}) |")
+    for p in run.passes:
+        lines += [f"- {p.name}: {f}" for f in p.failures]
     stranded = "; ".join(f"{k}: {v}" for k, v in run.stranded.items() if v) or "none"
     lines += ["", f"Goodput faulted / fault-free: **{run.goodput_ratio:.2f}x**. Pages stranded once idle: {stranded}.",
               "", "| s | fault | target | outcome | pool whole after (s) |", "|---|---|---|---|---|"]

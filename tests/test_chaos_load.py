@@ -23,16 +23,17 @@ def test_sessions_add_up_to_the_requests_and_mix_single_and_multi_turn():
 
 
 def test_a_pass_counts_statuses_wrong_tokens_hangs_and_router_retries():
-    records = [Record(0, 0, "a", "r0", [1], "OK", [5, 6], 0.0, 8.0, retries=1, exact=True),
-               Record(1, 0, "b", "r1", [1], "OK", [5, 7], 1.0, 9.0, exact=False),
-               Record(2, 0, "c", "d0", [1], "UNAVAILABLE", [5], 2.0, 6.0, retries=1, exact=True),
-               Record(3, 0, "d", "r1", [1], "HUNG", [], 3.0, 10.0),
+    records = [Record(0, 0, "a", "r0", [1], "OK", tokens=[5, 6], start=0.0, end=8.0, retries=1, exact=True),
+               Record(1, 0, "b", "r1", [1], "OK", tokens=[5, 7], start=1.0, end=9.0, exact=False),
+               Record(2, 0, "c", "d0", [1], "UNAVAILABLE", "gone", [5], 2.0, 6.0, retries=1, exact=True),
+               Record(3, 0, "d", "r1", [1], "HUNG", start=3.0, end=10.0),
                Record(3, 1, "e", "r1", [1], "NOT_SENT")]
     p = summarize("faulted", records, set(ROUTERS))
     assert (p.requests, p.completed, p.wrong, p.hung) == (5, 2, 1, 1)
     assert p.failed == {"UNAVAILABLE": 1, "HUNG": 1, "NOT_SENT": 1}
     assert p.seconds == 10.0 and p.goodput == 0.1  # one exact completion in 10 s
     assert (p.router_retries, p.router_retries_exact) == (1, 1)  # the decode node's retry is not a router's
+    assert [f.split(" ")[0] for f in p.failures] == ["b", "c", "d"]  # wrong, failed, hung; not the unsent turn
 
 
 def test_the_verdict_names_every_missed_goal():

@@ -42,6 +42,7 @@ class Nodes:
     b: Daemon  # their target
     spare: Daemon  # killed by one test: tcp, a target that dies; nixl, a source that dies
     transport: str
+    started: Started  # spawns a restarted node, which it stops at the end
     other: Daemon | None = None  # tcp: a bfloat16 node, which a float32 node must refuse as a target
     draining: Daemon | None = None  # tcp: a node started with --drain-to a and b
 
@@ -53,7 +54,7 @@ def nodes(request, tmp_path_factory):
     flags = (*FLAGS, "--transport", transport)
     with Started(tmp_path_factory.mktemp(f"migration-{transport}")) as s:
         a, b, spare = (s.spawn("decode_node", *flags) for _ in range(3))
-        n = Nodes(a, b, spare, transport)
+        n = Nodes(a, b, spare, transport, s)
         if transport == "tcp":
             n.other = s.spawn("decode_node", "--dtype", "bfloat16", "--transport", "tcp")
             n.draining = s.spawn("decode_node", *flags, "--drain-to", a.address, "--drain-to", b.address)
@@ -267,6 +268,34 @@ def test_a_target_that_dies_mid_stream_leaves_the_request_continuing_here(nodes,
     assert moved.error is None, moved.error
     assert moved.same_output(reference)
     assert 'duet_migrations_total{outcome="resumed",reason="rpc"}' in a.metrics_text()
+
+
+def test_a_target_restarted_since_the_last_migration_there_is_written_again(nodes, pair):
+    """A NIXL writer keeps its connection to each target; one restarted on its address makes it
+    stale. A migration there then fails with UNAVAILABLE (it used to fail UNKNOWN: cleaning up the
+    target called the peer's channel, which the failed write had closed), the stream goes on here
+    unchanged, both nodes stay clean, and the next migration, handshaken afresh, moves it."""
+    a, _ = pair
+    if nodes.transport != "nixl":
+        pytest.skip("a TCP transfer opens its own connection: nothing goes stale")
+    request = pb.GenerateRequest(token_ids=PROMPT, sampling=sampling(max_tokens=60, **NO_SPEC))
+    reference = run(a, "restart-ref", pb.GenerateRequest().FromString(request.SerializeToString()))
+    assert run(a, "restart-1", pb.GenerateRequest().FromString(request.SerializeToString()),
+               migrate_to=nodes.spare).same_output(reference)  # a writes to spare: connected
+    nodes.spare.stop(signal.SIGKILL)
+    nodes.spare = nodes.started.spawn("decode_node", *FLAGS, "--transport", "nixl", port=nodes.spare.port)
+    nodes.started.wait()
+    request.request_id = "restart-2"
+    out, codes = Outcome(), []
+    for i, chunk in enumerate(a.stub.Generate(request, timeout=120)):
+        out.add(chunk)
+        if i + 1 in (4, 8) and grpc.StatusCode.OK not in codes:
+            codes.append(call_status(lambda: a.stub.Migrate(pb.MigrateRequest(
+                request_id="restart-2", target_address=nodes.spare.address), timeout=60),
+                allowed=set(grpc.StatusCode))[0])
+    assert codes in ([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK], [grpc.StatusCode.OK])
+    assert out.same_output(reference)
+    wait_clean(nodes.spare)
 
 
 def test_a_source_that_dies_leaves_the_target_clean(nodes, pair):

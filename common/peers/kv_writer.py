@@ -159,11 +159,16 @@ class KvWriter:
         on the way (a failed transfer forgets its endpoint) is told over a channel of its own."""
         report = pb.CompleteTransferRequest(request_id=request_id, transfer_nonce=nonce, abandoned=True)
         try:
-            try:
-                peer.stub.CompleteTransfer(report, timeout=2.0)
-            except ValueError:  # the peer was dropped, its channel closed
-                with self.tls.channel(peer.address) as channel:
-                    duet_pb2_grpc.DecodeNodeStub(channel).CompleteTransfer(report, timeout=2.0)
+            self.tell(peer, "CompleteTransfer", report)
         except grpc.RpcError as exc:
             log.info("could not report an abandoned transfer", extra={"fields": {
                 "request_id": request_id, "error": str(exc)}})
+
+    def tell(self, peer: DecodePeer, rpc: str, request, timeout: float = 2.0) -> None:
+        """A short call to `peer` that also works after a failed transfer dropped it (closing its
+        channel): then over a channel of its own. Raises grpc.RpcError."""
+        try:
+            getattr(peer.stub, rpc)(request, timeout=timeout)
+        except ValueError:  # the peer was dropped, its channel closed
+            with self.tls.channel(peer.address) as channel:
+                getattr(duet_pb2_grpc.DecodeNodeStub(channel), rpc)(request, timeout=timeout)
