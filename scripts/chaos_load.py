@@ -229,20 +229,22 @@ class Record:
     exact: bool | None = None  # every token equals the reference's (None: no token)
 
 
-def sessions(n_requests: int, seed: int, turns: int, direct_share: float, routers: list[str],
+def sessions(n_requests: int, seed: int, prompt_seed: int, turns: int, direct_share: float, routers: list[str],
              decodes: list[str]) -> list[Session]:
     """Sessions whose turns add up to `n_requests`: half of them of one turn, half of `turns`;
-    `direct_share` of them enter at a decode node, the others at a router."""
-    rng = random.Random(seed)
+    `direct_share` of them enter at a decode node, the others at a router. Their shape (turns,
+    entries, lengths) follows `seed`, their tokens `prompt_seed`: plans of one seed and two
+    prompt seeds send the same shapes with prompts neither shares."""
+    shape, text = random.Random(seed), random.Random(prompt_seed)
     out, planned = [], 0
     while planned < n_requests:
-        n_turns = min(1 if rng.random() < 0.5 else turns, n_requests - planned)
-        pool = decodes if rng.random() < direct_share else routers
-        first = rng.choice(pool)
-        fallback = rng.choice([p for p in pool if p != first])
-        ids = lambda k: rng.choices(range(100, 40000), k=k)  # noqa: E731
-        out.append(Session(len(out), (first, fallback), ids(rng.randint(128, 384)),
-                           [ids(rng.randint(16, 64)) for _ in range(n_turns - 1)]))
+        n_turns = min(1 if shape.random() < 0.5 else turns, n_requests - planned)
+        pool = decodes if shape.random() < direct_share else routers
+        first = shape.choice(pool)
+        fallback = shape.choice([p for p in pool if p != first])
+        lengths = [shape.randint(128, 384), *(shape.randint(16, 64) for _ in range(n_turns - 1))]
+        prompts = [text.choices(range(100, 40000), k=k) for k in lengths]
+        out.append(Session(len(out), (first, fallback), prompts[0], prompts[1:]))
         planned += n_turns
     return out
 
@@ -502,7 +504,8 @@ def run_transport(transport: str, args: argparse.Namespace, model_ready: threadi
             time.sleep(2)  # the routers' and decode nodes' pollers see every peer
             say = lambda text: print(f"[{transport}] {text}", flush=True)  # noqa: E731
             entries = [n.name for n in cluster.of("router")], [n.name for n in cluster.of("decode")]
-            plan_cap = sessions(args.capacity_requests, args.seed + 1000, args.turns, args.direct_share, *entries)
+            plan_cap = sessions(args.capacity_requests, args.seed + 1000, args.seed + 1000, args.turns,
+                                args.direct_share, *entries)
             cap_load = Load(cluster, args.output_len, "capacity")
             seconds = asyncio.run(cap_load.run(plan_cap, args.capacity_concurrency))
             capacity = sum(r.status == "OK" for r in cap_load.records) / seconds
@@ -511,7 +514,7 @@ def run_transport(transport: str, args: argparse.Namespace, model_ready: threadi
                 f"({statuses(cap_load.records)} in {seconds:.0f} s); sending {rate:.2f} requests/s")
             results, faults = [], []
             for name, seed in (("fault-free", args.seed + 2000), ("faulted", args.seed + 3000)):
-                plan = sessions(args.requests, seed, args.turns, args.direct_share, *entries)
+                plan = sessions(args.requests, args.seed, seed, args.turns, args.direct_share, *entries)
                 per_session = args.requests / len(plan)
                 for s, at in zip(plan, arrival_offsets(len(plan), rate / per_session, seed=args.seed)):
                     s.arrival = float(at)

@@ -8,7 +8,7 @@ ROUTERS, DECODES = ["r0", "r1"], ["d0", "d1"]
 
 
 def test_sessions_add_up_to_the_requests_and_mix_single_and_multi_turn():
-    plan = sessions(200, 5, 3, 0.3, ROUTERS, DECODES)
+    plan = sessions(200, 5, 50, 3, 0.3, ROUTERS, DECODES)
     assert sum(len(s.questions) + 1 for s in plan) == 200
     turns = [len(s.questions) + 1 for s in plan]
     assert turns.count(1) > 10 and turns.count(3) > 10
@@ -18,8 +18,14 @@ def test_sessions_add_up_to_the_requests_and_mix_single_and_multi_turn():
         assert 128 <= len(s.prompt) <= 384 and all(16 <= len(q) <= 64 for q in s.questions)
     direct = sum(s.entry[0] in DECODES for s in plan) / len(plan)
     assert 0.15 < direct < 0.45
-    assert [s.prompt for s in sessions(200, 5, 3, 0.3, ROUTERS, DECODES)] == [s.prompt for s in plan]
-    assert not {tuple(s.prompt) for s in sessions(200, 6, 3, 0.3, ROUTERS, DECODES)} & {tuple(s.prompt) for s in plan}
+
+
+def test_two_passes_send_the_same_shapes_with_prompts_neither_shares():
+    plan, same, other = (sessions(200, 5, p, 3, 0.3, ROUTERS, DECODES) for p in (50, 50, 51))
+    assert [s.prompt for s in same] == [s.prompt for s in plan]
+    shape = [(s.entry, len(s.prompt), [len(q) for q in s.questions]) for s in plan]
+    assert [(s.entry, len(s.prompt), [len(q) for q in s.questions]) for s in other] == shape
+    assert not {tuple(s.prompt) for s in other} & {tuple(s.prompt) for s in plan}
 
 
 def test_a_pass_counts_statuses_wrong_tokens_hangs_and_router_retries():
