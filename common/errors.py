@@ -1,66 +1,85 @@
-"""Request errors that carry the gRPC status a caller should see."""
+"""Request errors, each carrying the status a caller should see as duet's own `ErrorCode`: the
+domain (engine, KV cache, model, the nodes) never imports gRPC; the servicers map a code to
+gRPC's status once (common/serving/grpc_status.py)."""
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """Why a request failed: gRPC's status codes, by the same names and numbers."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class RequestError(Exception):
-    code = grpc.StatusCode.UNKNOWN
+    code = ErrorCode.UNKNOWN
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
 
-    @classmethod
-    def from_rpc(cls, exc: grpc.RpcError, peer: str) -> RequestError:
-        """A failed call to another node, as this node's error, with the peer's status."""
-        return cls(f"{peer}: {exc.details()}", exc.code())
-
 
 class InvalidArgument(RequestError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = ErrorCode.INVALID_ARGUMENT
 
 
 class NotFound(RequestError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = ErrorCode.NOT_FOUND
 
 
 class AlreadyExists(RequestError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = ErrorCode.ALREADY_EXISTS
 
 
 class ResourceExhausted(RequestError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class FailedPrecondition(RequestError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = ErrorCode.FAILED_PRECONDITION
 
 
 class PermissionDenied(RequestError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class Unavailable(RequestError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = ErrorCode.UNAVAILABLE
 
 
 class Aborted(RequestError):
-    code = grpc.StatusCode.ABORTED
+    code = ErrorCode.ABORTED
 
 
 class DeadlineExceeded(RequestError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = ErrorCode.DEADLINE_EXCEEDED
 
 
 class Internal(RequestError):
-    code = grpc.StatusCode.INTERNAL
+    code = ErrorCode.INTERNAL
 
 
 class Cancelled(RequestError):
-    code = grpc.StatusCode.CANCELLED
+    code = ErrorCode.CANCELLED
 
 
 class DataLoss(RequestError):
-    code = grpc.StatusCode.DATA_LOSS
+    code = ErrorCode.DATA_LOSS

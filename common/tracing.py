@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.daemon_limits import valid_request_id
-from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +35,6 @@ class TraceEvent:
     start_unix: float  # seconds since the epoch
     duration_s: float = 0.0  # 0 = an instant event
     args: dict = field(default_factory=dict, hash=False)  # compared, not hashed
-
-    def to_proto(self) -> pb.TraceEvent:
-        return pb.TraceEvent(request_id=self.request_id, name=self.name, node=self.node,
-                             start_unix=self.start_unix, duration_s=self.duration_s,
-                             args_json=json.dumps(self.args, default=str))
-
-    @classmethod
-    def from_proto(cls, e: pb.TraceEvent) -> TraceEvent:
-        try:
-            args = json.loads(e.args_json) if e.args_json else {}
-        except json.JSONDecodeError:
-            args = {"args_json": e.args_json}
-        return cls(e.request_id, e.name, e.node, e.start_unix, e.duration_s, args if isinstance(args, dict) else {})
 
 
 class Tracer:
@@ -111,10 +97,6 @@ class Tracer:
                 selected = [(rid, list(events)) for rid, events in self._by_request.items()]
         return [TraceEvent(rid, name, self.node, start, duration, args)
                 for rid, events in selected for name, start, duration, args in events]
-
-    def trace(self, request_ids: Iterable[str] = ()) -> pb.Trace:
-        """The GetTrace answer."""
-        return pb.Trace(events=[e.to_proto() for e in self.events(request_ids)])
 
 
 def merge(*groups: Iterable[TraceEvent]) -> list[TraceEvent]:

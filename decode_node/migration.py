@@ -30,11 +30,12 @@ from common.engine.attention_window import layer_skips
 from common.engine.core import Engine, Sequence
 from common.engine.generation import Chunk, Continuation
 from common.engine.scheduler import Detached, Scheduler
-from common.errors import FailedPrecondition, InvalidArgument, NotFound, RequestError, Unavailable
+from common.errors import ErrorCode, FailedPrecondition, InvalidArgument, NotFound, RequestError, Unavailable
 from common.kv.segments import slot_range
 from common.peers.decode_peers import DecodePeer
 from common.peers.kv_writer import KvWriter
 from common.peers.peer_status import STALLED, STREAM_BROKEN
+from common.serving.grpc_status import error_from_rpc, from_grpc
 from common.serving.incarnation import INCARNATION
 from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto
 from common.tracing import Tracer
@@ -125,9 +126,9 @@ class Migrations:
                 self._end(m, "aborted" if m.aborted else "failed", resume=not m.aborted)
             if m.aborted:
                 raise RequestError(f"request {request_id!r} was aborted during its migration",
-                                   grpc.StatusCode.ABORTED) from None
+                                   ErrorCode.ABORTED) from None
             if isinstance(exc, grpc.RpcError):
-                raise RequestError.from_rpc(exc, f"target decode node {target}") from None
+                raise error_from_rpc(exc, f"target decode node {target}") from None
             raise
         response.pause_seconds = time.perf_counter() - (m.detached.group.last_sent or started)
         self.scheduler.release(m.detached)
@@ -199,7 +200,7 @@ class Migrations:
     def _check_aborted(self, m: _Migration) -> None:
         if m.aborted:
             raise RequestError(f"request {m.entry.request_id!r} was aborted during its migration",
-                               grpc.StatusCode.ABORTED)
+                               ErrorCode.ABORTED)
 
     def _clean_target(self, m: _Migration, peer: DecodePeer) -> None:
         """Best effort: end whatever the failed migration left on the target (its lease would)."""
@@ -233,7 +234,7 @@ class Migrations:
                     "request_id": m.entry.request_id, "target": m.target, "code": code.name}})
                 self._end(m, "resumed", resume=True)
             else:  # the target's own verdict on the request (RESOURCE_EXHAUSTED, ...): the client's too
-                d.group.send(Chunk([], "", "error", error_code=code.name, error=exc.details()))
+                d.group.send(Chunk([], "", "error", error_code=from_grpc(code), error=exc.details()))
                 self._end(m, "failed", resume=False, end=Status.ABORTED)
 
     def _end(self, m: _Migration, outcome: str, resume: bool, end: Status | None = None) -> None:

@@ -12,8 +12,8 @@ import grpc
 from common.engine.generation import Continuation, RequestHandle
 from common.engine.guided import GrammarCompiler
 from common.engine.sampling import SamplingParams
-from common.errors import RequestError
 from common.openai_http.gateway_routes import PREFILLER_HEADER
+from common.serving.grpc_status import answered_with_status, to_grpc
 from common.serving.node_rpcs import NodeRpcs
 from common.serving.prompts import prompt_token_ids
 from common.serving.rpc_convert import chunk_to_proto, continuation_from_proto, sampling_from_proto
@@ -44,59 +44,49 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         self.metrics = node.metrics
         self.grammars = GrammarCompiler(node.tokenizer, node.vocab_size)
 
-    def _fail(self, context: grpc.ServicerContext, rpc: str, exc: RequestError):
-        self.metrics.requests.labels(rpc, exc.code.name).inc()
-        context.abort(exc.code, str(exc))
+    def _answering(self, context: grpc.ServicerContext, rpc: str):
+        """The body's RequestError ends the call with its status, counted by `rpc` and code."""
+        return answered_with_status(context, lambda exc: self.metrics.requests.labels(rpc, exc.code.name).inc())
 
     def PrepareReceive(self, request: pb.PrepareReceiveRequest, context) -> pb.PrepareReceiveResponse:
         end = request.kv_window_end if request.HasField("kv_window_end") else None
         self.node.tracer.event(request.request_id, "received", rpc="PrepareReceive",
                                prompt_tokens=len(request.token_ids))
-        try:
+        with self._answering(context, "PrepareReceive"):
             return self.node.prepare_receive(request.request_id, request.token_ids, end,
                                              cancelled=_cancelled(context), deadline=_deadline(context))
-        except RequestError as exc:
-            self._fail(context, "PrepareReceive", exc)
 
     def GetTransportInfo(self, request: pb.GetTransportInfoRequest, context) -> pb.TransportInfo:
-        try:
+        with self._answering(context, "GetTransportInfo"):
             return self.node.transport_info(request.fingerprint, request.transport,
                                             request.writer if request.HasField("writer") else None)
-        except RequestError as exc:
-            self._fail(context, "GetTransportInfo", exc)
 
     def BeginTransfer(self, request: pb.BeginTransferRequest, context) -> pb.BeginTransferResponse:
-        try:
+        with self._answering(context, "BeginTransfer"):
             self.node.begin_transfer(request.request_id, request.transfer_nonce, list(request.kv_append_metadata),
                                      request.writer_incarnation)
-        except RequestError as exc:
-            self._fail(context, "BeginTransfer", exc)
         return pb.BeginTransferResponse()
 
     def CompleteTransfer(self, request: pb.CompleteTransferRequest, context) -> pb.CompleteTransferResponse:
-        try:
+        with self._answering(context, "CompleteTransfer"):
             self.node.complete_transfer(request.request_id, request.transfer_nonce, request.abandoned,
                                         request.kv_checksums)
-        except RequestError as exc:
-            self._fail(context, "CompleteTransfer", exc)
         return pb.CompleteTransferResponse()
 
     def StartGeneration(self, request: pb.StartGenerationRequest, context) -> Iterator[pb.GenerationChunk]:
         received = time.perf_counter()
         self.node.tracer.event(request.request_id, "received", rpc="StartGeneration")
-        try:
+        with self._answering(context, "StartGeneration"):
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             handle = self.node.start_generation(request.request_id, request.kv_window_begin, params, request.sampling,
                                                 self._continuation(request, params))
-        except RequestError as exc:
-            self._fail(context, "StartGeneration", exc)
         yield from self._stream("StartGeneration", handle, context, received)
 
     def Generate(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerationChunk]:
         received = time.perf_counter()
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         self.node.tracer.event(rid, "received", rpc="Generate")
-        try:
+        with self._answering(context, "Generate"):
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             tokens = prompt_token_ids(request, self.node.tokenizer)
             handle = self.node.generate(rid, tokens, params, cancelled=_cancelled(context),
@@ -105,8 +95,6 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
                                         prefiller=dict(context.invocation_metadata()).get(PREFILLER_HEADER),
                                         prefix_holder=request.prefix_holder if request.HasField("prefix_holder")
                                         else None)
-        except RequestError as exc:
-            self._fail(context, "Generate", exc)
         yield from self._stream("Generate", handle, context, received)
 
     def _continuation(self, request: pb.GenerateRequest | pb.StartGenerationRequest,
@@ -116,33 +104,24 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         return continuation_from_proto(request.continuation, params, self.node.vocab_size)
 
     def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
-        try:
+        with self._answering(context, "Migrate"):
             return self.node.migrate(request.request_id, request.target_address)
-        except RequestError as exc:
-            self._fail(context, "Migrate", exc)
 
     def SendPrefix(self, request: pb.RemoteSendRequest, context) -> pb.RemoteSendResponse:
-        try:
+        with self._answering(context, "SendPrefix"):
             response = self.node.send_prefix(request, context.time_remaining())
-        except RequestError as exc:
-            self._fail(context, "SendPrefix", exc)
         self.metrics.requests.labels("SendPrefix", "OK").inc()
         return response
 
     def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
-        try:
+        with self._answering(context, "Drain"):
             moved = self.node.drain()
-        except RequestError as exc:
-            self._fail(context, "Drain", exc)
         self._stop()  # relays the migrated streams to their end (drain_before_stop), then exits
         return pb.DrainResponse(requests_migrated=moved)
 
-
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        try:
+        with self._answering(context, "Abort"):
             self.node.abort(request.request_id)
-        except RequestError as exc:
-            self._fail(context, "Abort", exc)
         return pb.AbortResponse()
 
     def _stream(self, rpc: str, handle: RequestHandle, context, received: float) -> Iterator[pb.GenerationChunk]:
@@ -166,8 +145,8 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
                 first = now
                 self.metrics.ttft.observe(now - received)
             if chunk.finish_reason == "error":
-                self.metrics.requests.labels(rpc, chunk.error_code).inc()
-                context.abort(grpc.StatusCode[chunk.error_code], chunk.error)
+                self.metrics.requests.labels(rpc, chunk.error_code.name).inc()
+                context.abort(to_grpc(chunk.error_code), chunk.error)
             yield chunk_to_proto(handle.request_id, chunk, self.node.tokenizer.token_bytes)
             samples = max(samples, chunk.index + 1)
             if chunk.final:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import grpc
 
+from common.serving.trace_messages import trace_event_from_proto
 from common.tracing import TraceEvent, merge, write_chrome_trace
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -32,7 +33,7 @@ def fetch_trace(address: str, request_ids: list[str], timeout_s: float = FETCH_T
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
             trace = duet_pb2_grpc.PrefillNodeStub(channel).GetTrace(request, timeout=timeout_s)
-    return [TraceEvent.from_proto(e) for e in trace.events]
+    return [trace_event_from_proto(e) for e in trace.events]
 
 
 def collect_trace(addresses: list[str], request_ids: list[str]) -> CollectedTrace:

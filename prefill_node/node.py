@@ -4,11 +4,9 @@ from __future__ import annotations
 import time
 import uuid
 
-import grpc
-
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
-from common.errors import DeadlineExceeded, InvalidArgument, RequestError
+from common.errors import DeadlineExceeded, ErrorCode, InvalidArgument, RequestError
 from common.kv.segments import MetadataError, Segments, slot_range
 from common.model.decoder import DecoderModel
 from common.peers.kv_writer import KvWriter, check_send_request
@@ -76,7 +74,7 @@ class PrefillNode:
                 peer, req.request_id, req.transfer_nonce, metadata, deadline,
                 on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done", layer=layer))
         except RequestError as exc:
-            if exc.code is grpc.StatusCode.UNAVAILABLE:
+            if exc.code is ErrorCode.UNAVAILABLE:
                 self.metrics.transfers.failed("unavailable")
             raise
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from common.errors import RequestError
+from common.serving.grpc_status import answered_with_status
 from common.serving.node_rpcs import NodeRpcs
 from prefill_node.node import PrefillNode
 from protos.duet.v1 import duet_pb2 as pb
@@ -12,12 +13,12 @@ class PrefillNodeService(NodeRpcs, duet_pb2_grpc.PrefillNodeServicer):
     node: PrefillNode
 
     def RemoteSend(self, request: pb.RemoteSendRequest, context) -> pb.RemoteSendResponse:
-        try:
-            response = self.node.remote_send(request, context.time_remaining())
-        except RequestError as exc:
+        def failed(exc: RequestError) -> None:
             self.node.metrics.requests.labels("RemoteSend", exc.code.name).inc()
             self.node.tracer.event(request.request_id, "failed", code=exc.code.name, error=str(exc))
-            context.abort(exc.code, str(exc))
+
+        with answered_with_status(context, failed):
+            response = self.node.remote_send(request, context.time_remaining())
         self.node.metrics.requests.labels("RemoteSend", "OK").inc()
         return response
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from common.errors import RequestError
+from common.serving.grpc_status import answered_with_status
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from router.hand_off import Router
@@ -18,11 +18,10 @@ class RouterService(duet_pb2_grpc.DecodeNodeServicer):
 
     def Generate(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerationChunk]:
         try:
-            for chunk in self.router.generate(request, context.time_remaining()):
-                if not context.is_active():
-                    return
-                yield chunk
-        except RequestError as exc:
-            context.abort(exc.code, str(exc))
+            with answered_with_status(context):
+                for chunk in self.router.generate(request, context.time_remaining()):
+                    if not context.is_active():
+                        return
+                    yield chunk
         except grpc.RpcError as exc:  # a decode or prefill node's status, passed through
             context.abort(exc.code(), exc.details())

@@ -2,10 +2,10 @@
 failure on the sender thread, of any kind, must fail the transfer, never let it be confirmed."""
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
+from common.errors import ErrorCode
 from common.kv.pool import KVPool
 from common.transports import TransferError
 from common.transports.pieces import Piece
@@ -65,8 +65,8 @@ def test_all_layers_posted_and_reported(pool):
 
 
 @pytest.mark.parametrize("error, code", [
-    (TransferError("refused", grpc.StatusCode.INVALID_ARGUMENT), grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError("ranges out of the registered tensor"), grpc.StatusCode.INTERNAL),
+    (TransferError("refused", ErrorCode.INVALID_ARGUMENT), ErrorCode.INVALID_ARGUMENT),
+    (ValueError("ranges out of the registered tensor"), ErrorCode.INTERNAL),
 ])
 def test_a_failed_post_fails_the_transfer(pool, error, code):
     initiator, done = _Initiator(pool, fail_layer=1, error=error), []
@@ -93,4 +93,4 @@ def test_a_failed_gpu_wait_fails_the_transfer(pool, monkeypatch):
     session.post_layer(0, PIECES)
     with pytest.raises(TransferError, match="illegal memory access") as raised:
         session.finish()
-    assert raised.value.code == grpc.StatusCode.INTERNAL and initiator.written == done == []
+    assert raised.value.code == ErrorCode.INTERNAL and initiator.written == done == []

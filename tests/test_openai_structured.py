@@ -13,7 +13,7 @@ import torch
 
 from common.openai_http.logprob_shaping import token_text
 from protos.duet.v1 import duet_pb2 as pb
-from common.engine.guided import MAX_JSON_INDENT, GrammarCompiler
+from common.engine.guided import MAX_JSON_INDENT, GrammarCompiler, GuidedSpec
 from scripts.json_object_share import MAX_TOKENS, json_object_answers
 from scripts.local_daemons import free_port
 from tests.helpers import started_pair
@@ -189,7 +189,7 @@ def test_json_object_has_whitespace_and_ends(pair):
     ('{\n\n"a": 1}', False), ("{" + " " * (MAX_JSON_INDENT + 1) + '"a": 1}', False), (' {"a": 1}', False)])
 def test_json_whitespace_is_bounded(tokenizer, text, allowed):
     """Wherever JSON allows whitespace: one line break at most, then MAX_JSON_INDENT blanks at most."""
-    grammar = GrammarCompiler(tokenizer, tokenizer.vocab_size).compile(pb.GuidedDecoding(json_object=True))
+    grammar = GrammarCompiler(tokenizer, tokenizer.vocab_size).compile(GuidedSpec("json_object", True))
     matcher = grammar.matcher()
     try:
         for token in [*tokenizer.encode(text), tokenizer.eos_token_id]:

@@ -10,6 +10,7 @@ from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
 from common.engine.generation import Chunk, RequestHandle, Usage
 from common.engine.scheduler import Scheduler
+from common.errors import ErrorCode
 from tests.helpers import random_ids
 from tests.reference import engine_greedy
 
@@ -93,7 +94,7 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(model, make_scheduler
 def test_request_larger_than_the_pool_fails_fast(make_scheduler):
     s = make_scheduler(num_pages=4, page_size=16)
     _, _, last = collect(s.submit("big", s.engine.new_sequence("big", random_ids(100, 5)), GREEDY))
-    assert last.finish_reason == "error" and last.error_code == "RESOURCE_EXHAUSTED" and "KV pool" in last.error
+    assert last.finish_reason == "error" and last.error_code is ErrorCode.RESOURCE_EXHAUSTED and "KV pool" in last.error
     _assert_no_leak(s)
 
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from common.engine.core import Engine, Sequence
-from common.engine.guided import GrammarCompiler
+from common.engine.guided import GrammarCompiler, GuidedSpec
 from common.engine.ngram_proposer import propose_ngram
 from common.engine.sampling import Draw, SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.speculative import DraftState, SpeculativeConfig, Speculator
+from common.errors import ErrorCode
 from common.model.checkpoint import load_checkpoint
 from common.model.decoder import DecoderModel
 from common.model.tokenizer import load_tokenizer
-from protos.duet.v1 import duet_pb2 as pb
 from tests.helpers import random_ids
 from tests.reference import engine_greedy, hf_greedy
 from tests.test_scheduler import _assert_no_leak, collect, collect_samples
@@ -238,7 +238,7 @@ def test_grammar_masks_apply_per_accepted_position(make_pair, tokenizer, model):
     """A regex the copied code matches: drafts from the prompt pass the mask and are accepted;
     output, text and logprobs are the non-speculative ones."""
     grammar = GrammarCompiler(tokenizer, model.config.vocab_size).compile(
-        pb.GuidedDecoding(regex=r"(def [a-z]+\(x, y\):\n    return x \* [0-9] \+ y\n\n){1,3}"))
+        GuidedSpec("regex", r"(def [a-z]+\(x, y\):\n    return x \* [0-9] \+ y\n\n){1,3}"))
     spec, plain, counts = make_pair()
     prompt = _copy(tokenizer, 13)
     params = SamplingParams(max_tokens=60, guided=grammar, logprobs=True)
@@ -273,10 +273,10 @@ def test_a_grammar_this_vocabulary_cannot_follow_is_the_request_s_fault(make_pai
     """llguidance's mask for `\\x1d0` lets '0' through first, which its parser then refuses (found by
     tests/test_fuzz_rpcs.py): the request ends with INVALID_ARGUMENT, with and without drafts, and
     gives its pages back."""
-    grammar = GrammarCompiler(tokenizer, model.config.vocab_size).compile(pb.GuidedDecoding(regex="\x1d0"))
+    grammar = GrammarCompiler(tokenizer, model.config.vocab_size).compile(GuidedSpec("regex", "\x1d0"))
     for s in make_pair():
         if isinstance(s, Scheduler):
             (_, _, last), = _run_all(s, [_copy(tokenizer, 3)], SamplingParams(max_tokens=8, guided=grammar))
-            assert last.finish_reason == "error" and last.error_code == "INVALID_ARGUMENT", last
+            assert last.finish_reason == "error" and last.error_code is ErrorCode.INVALID_ARGUMENT, last
             assert "cannot go on with this model's tokens" in last.error
             _assert_no_leak(s)

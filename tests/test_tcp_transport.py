@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
 import pytest
 import torch
 
+from common.errors import ErrorCode
 from common.kv.page_allocator import PageAllocator
 from common.kv.pool import KVPool
 from common.kv.segments import Segments
@@ -74,10 +74,10 @@ def test_pieces_land_in_the_granted_slots():
 
 
 @pytest.mark.parametrize("request_id, nonce, pieces, code", [
-    ("q", 7, [Piece(0, 20, 5)], grpc.StatusCode.NOT_FOUND),
-    ("r", 8, [Piece(0, 20, 5)], grpc.StatusCode.PERMISSION_DENIED),  # not the window's nonce
-    ("r", 7, [Piece(0, 21, 5)], grpc.StatusCode.PERMISSION_DENIED),  # one slot past the grant
-    ("r", 7, [Piece(0, 2, 3)], grpc.StatusCode.PERMISSION_DENIED),
+    ("q", 7, [Piece(0, 20, 5)], ErrorCode.NOT_FOUND),
+    ("r", 8, [Piece(0, 20, 5)], ErrorCode.PERMISSION_DENIED),  # not the window's nonce
+    ("r", 7, [Piece(0, 21, 5)], ErrorCode.PERMISSION_DENIED),  # one slot past the grant
+    ("r", 7, [Piece(0, 2, 3)], ErrorCode.PERMISSION_DENIED),
 ])
 def test_writes_outside_the_grant_are_refused(request_id, nonce, pieces, code):
     src, dst = _pools()
@@ -97,7 +97,7 @@ def test_unreachable_receiver_is_unavailable():
     src, _ = _pools()
     with pytest.raises(TransferError) as info:
         TcpTransfer("127.0.0.1:1", src, "r", 7)
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code == ErrorCode.UNAVAILABLE
 
 
 def test_a_failed_device_copy_fails_the_transfer(monkeypatch):

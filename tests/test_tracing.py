@@ -12,7 +12,8 @@ from collections import defaultdict
 import pytest
 
 from common.daemon_limits import MAX_REQUEST_ID_LENGTH
-from common.tracing import MAX_EVENTS_PER_REQUEST, TraceEvent, Tracer, TraceFileWriter, chrome_trace, merge
+from common.serving.trace_messages import trace_event_from_proto, trace_to_proto
+from common.tracing import MAX_EVENTS_PER_REQUEST, Tracer, TraceFileWriter, chrome_trace, merge
 from decode_node.config import parse_args as decode_args
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.local_daemons import ROOT, free_port
@@ -96,9 +97,9 @@ def test_proto_round_trip():
     with t.span("r", "prefill_chunk", tokens=40):
         pass
     t.event("r", "transfer_layer_posted", layer=3, bytes=1024)
-    trace = t.trace(["r", "unknown"])
+    trace = trace_to_proto(t.events(["r", "unknown"]))
     assert isinstance(trace, pb.Trace) and len(trace.events) == 2
-    back = [TraceEvent.from_proto(e) for e in trace.events]
+    back = [trace_event_from_proto(e) for e in trace.events]
     assert back == t.events() and [e.args for e in back] == [e.args for e in t.events()]
     assert json.loads(trace.events[1].args_json) == {"layer": 3, "bytes": 1024}
 

@@ -13,6 +13,7 @@ import torch
 from common.engine.core import Sequence
 from common.engine.sampling import PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.engine.speculative import DraftState
+from common.errors import ErrorCode
 from common.model.detokenizer import IncrementalDetokenizer
 
 
@@ -33,8 +34,8 @@ class Chunk:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
-    # With finish_reason "error": a gRPC status name ("RESOURCE_EXHAUSTED", "INTERNAL") and why.
-    error_code: str | None = None
+    # With finish_reason "error": the status (RESOURCE_EXHAUSTED, INTERNAL, ...) and why.
+    error_code: ErrorCode | None = None
     error: str | None = None
     index: int = 0
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token, when the request asked for them

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from common.model.tokenizer import Tokenizer
-from protos.duet.v1 import duet_pb2 as pb
 
 MAX_GRAMMAR_CHARS = 100_000
 # JSON with the whitespace models learned (newlines and indentation), bounded: wherever JSON
@@ -30,6 +29,15 @@ MAX_GRAMMAR_CHARS = 100_000
 MAX_JSON_INDENT = 16
 JSON_WHITESPACE = rf"(\x0D?\x0A)?[\x20\x09]{{0,{MAX_JSON_INDENT}}}"
 _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What a request's output must match (duet.v1 GuidedDecoding): `kind` json_schema (`value`
+    the schema's JSON text), json_object (True), regex (the pattern) or choice (the strings)."""
+
+    kind: str
+    value: str | bool | tuple[str, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,26 +97,26 @@ class GrammarCompiler:
         return llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab_size,
                                       eos_token=self._tokenizer.eos_token_id)
 
-    def compile(self, spec: pb.GuidedDecoding) -> Grammar | None:
+    def compile(self, spec: GuidedSpec | None) -> Grammar | None:
         """The grammar `spec` asks for (None when it asks for none); ValueError says what is wrong."""
-        kind = spec.WhichOneof("kind")
-        if kind is None:
+        if spec is None:
             return None
+        kind = spec.kind
         if kind == "json_schema":
-            schema = _json_schema(spec.json_schema)
+            schema = _json_schema(spec.value)
             try:
                 source = json_schema_grammar(schema)
             except ValueError as exc:
                 raise ValueError(f"guided.json_schema is not a usable grammar: {exc}") from None
         elif kind == "json_object":
-            if not spec.json_object:
+            if spec.value is not True:
                 raise ValueError("guided.json_object must be true when set")
             source = json_schema_grammar({"type": "object"})
         elif kind == "regex":
-            _check_size(spec.regex, "guided.regex")
-            source = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+            _check_size(spec.value, "guided.regex")
+            source = llguidance.LLMatcher.grammar_from_regex(spec.value)
         else:
-            choices = list(spec.choice.choices)
+            choices = list(spec.value)
             if not choices or any(c == "" for c in choices):
                 raise ValueError("guided.choice needs at least one non-empty string")
             _check_size(json.dumps(choices), "guided.choice")

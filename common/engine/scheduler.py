@@ -46,7 +46,7 @@ from common.engine.loop import EngineLoop
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
 from common.engine.speculative import SpeculativeConfig, Speculator
 from common.engine.step_budget import StepBudget, attended_positions
-from common.errors import FailedPrecondition, NotFound, Unavailable
+from common.errors import ErrorCode, FailedPrecondition, NotFound, Unavailable
 from common.kv.page_allocator import OutOfPages
 from common.model.detokenizer import IncrementalDetokenizer
 from common.model.tokenizer import Tokenizer
@@ -225,7 +225,7 @@ class Scheduler(EngineLoop):
             log.exception("forward failed")
             with self.lock:
                 for r, _ in work:
-                    self._fail(r, "INTERNAL", f"internal error in the model forward: {exc}")
+                    self._fail(r, ErrorCode.INTERNAL, f"internal error in the model forward: {exc}")
             return 0
         self.step_budget.record(sum(decodes), prompt_tokens, 1e3 * (time.perf_counter() - started), attended)
         with self.lock:
@@ -257,10 +257,10 @@ class Scheduler(EngineLoop):
         """End `r` after its sampling raised: INVALID_ARGUMENT where its grammar cannot go on with
         this model's tokens, else INTERNAL (a bug, logged with its traceback)."""
         if isinstance(exc, GrammarDeadEnd):
-            self._fail(r, "INVALID_ARGUMENT", f"guided decoding cannot go on with this model's tokens: {exc}")
+            self._fail(r, ErrorCode.INVALID_ARGUMENT, f"guided decoding cannot go on with this model's tokens: {exc}")
             return
         log.exception("sampling failed", extra={"fields": {"request_id": r.request_id}})
-        self._fail(r, "INTERNAL", f"sampling failed: {exc}")
+        self._fail(r, ErrorCode.INTERNAL, f"sampling failed: {exc}")
 
     def _apply_aborts(self) -> None:
         for r in [r for r in self._active if r.request_id in self._aborts]:
@@ -319,7 +319,7 @@ class Scheduler(EngineLoop):
             if oldest.seq.num_pending > 1 and self._reserve(oldest, n, work):
                 work.append((oldest, n))
             else:
-                self._fail(oldest, "RESOURCE_EXHAUSTED",
+                self._fail(oldest, ErrorCode.RESOURCE_EXHAUSTED,
                            "the KV pool cannot hold this request; send a shorter prompt or fewer max_tokens")
         return work
 
@@ -431,7 +431,7 @@ class Scheduler(EngineLoop):
             self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs)
 
     def _finish(self, r: Sample, tokens: list[int], text: str, reason: str,
-                error_code: str | None = None, error: str | None = None,
+                error_code: ErrorCode | None = None, error: str | None = None,
                 logprobs: tuple[PositionLogprobs, ...] = ()) -> None:
         """End one sample and free its pages (exactly once: it leaves `_active` here). The
         request's last sample to end sends the final chunk, with everyone's usage."""
@@ -451,7 +451,7 @@ class Scheduler(EngineLoop):
         group.send(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
                          group.take_prompt_logprobs()))
 
-    def _fail(self, r: Sample, code: str, message: str) -> None:
+    def _fail(self, r: Sample, code: ErrorCode, message: str) -> None:
         """Fail `r`'s request: every sample of it ends with the error."""
         for sample in [s for s in self._active if s.group is r.group]:
             self._finish(sample, [], "", "error", code, message)

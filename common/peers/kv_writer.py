@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from common.daemon_limits import check_prompt, check_request_id
-from common.errors import InvalidArgument, RequestError, Unavailable
+from common.errors import ErrorCode, InvalidArgument, RequestError, Unavailable
 from common.kv.pool import KVPool
 from common.kv.segments import MetadataError, Segments
 from common.peers.decode_peers import DecodePeer, DecodePeers
+from common.serving.grpc_status import error_from_rpc
 from common.serving.incarnation import INCARNATION, writer_identity
 from common.serving.tls import TlsFiles
 from common.transports import TransferError
@@ -107,7 +108,7 @@ class KvWriter:
         try:
             job.transfer.finish()
         except TransferError as exc:
-            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or exc.in_flight:
+            if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) or exc.in_flight:
                 # A dead or stalled peer: forget its endpoint, so the next request re-handshakes
                 # instead of reusing a connection that may still carry this transfer's bytes.
                 self.peers.drop(peer.address)
@@ -150,7 +151,7 @@ class KvWriter:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.peers.drop(peer.address)
-            raise RequestError.from_rpc(exc, f"decode node {peer.address}") from None
+            raise error_from_rpc(exc, f"decode node {peer.address}") from None
 
     def abandon(self, peer: DecodePeer, request_id: str, nonce: int) -> None:
         """Tell the decode node that this failed transfer will write nothing more, so it can

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from common.serving.kv_event_stream import KvEventStreams
+from common.serving.trace_messages import trace_to_proto
 from protos.duet.v1 import duet_pb2 as pb
 
 
@@ -21,7 +22,7 @@ class NodeRpcs:
         return self.node.load()
 
     def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.Trace:
-        return self.node.tracer.trace(request.request_ids)
+        return trace_to_proto(self.node.tracer.events(request.request_ids))
 
     def WatchKvEvents(self, request: pb.WatchKvEventsRequest, context) -> Iterator[pb.KvEvent]:
         yield from self.kv_events.watch(request, context)

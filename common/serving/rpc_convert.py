@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from common.engine.generation import Chunk, Continuation, SampleState, Usage
-from common.engine.guided import GrammarCompiler
+from common.engine.guided import GrammarCompiler, GuidedSpec
 from common.engine.sampling import PositionLogprobs, SamplingParams, TokenLogprob
 from common.errors import InvalidArgument
 from protos.duet.v1 import duet_pb2 as pb
@@ -17,10 +17,10 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int,
     """`grammars` compiles `msg.guided`; without one a guided request is refused."""
     try:
         guided = None
-        if msg.HasField("guided") and msg.guided.WhichOneof("kind") is not None:
+        if msg.HasField("guided") and (spec := guided_from_proto(msg.guided)) is not None:
             if grammars is None:
                 raise ValueError("guided decoding is not served by this endpoint")
-            guided = grammars.compile(msg.guided)
+            guided = grammars.compile(spec)
         params = SamplingParams(
             max_tokens=msg.max_tokens if msg.HasField("max_tokens") else SamplingParams.max_tokens,
             temperature=msg.temperature,
@@ -41,6 +41,15 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int,
     except ValueError as exc:
         raise InvalidArgument(f"sampling: {exc}") from None
     return params
+
+
+def guided_from_proto(msg: pb.GuidedDecoding) -> GuidedSpec | None:
+    """None: the message asks for nothing."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    value = getattr(msg, kind)
+    return GuidedSpec(kind, tuple(value.choices) if kind == "choice" else value)
 
 
 def chunk_to_proto(request_id: str, chunk: Chunk, token_bytes: Callable[[int], bytes]) -> pb.GenerationChunk:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import grpc
+from common.errors import ErrorCode
 
 if TYPE_CHECKING:
     from common.kv.pool import KVPool
@@ -24,7 +24,7 @@ TRANSPORTS = ("nixl", "tcp")
 
 
 class TransferError(Exception):
-    """The KV did not (provably) reach the target; ``code`` is the gRPC status to report.
+    """The KV did not (provably) reach the target; ``code`` is the status to report.
 
     ``in_flight`` is True when part of the transfer may still land later (a timed-out write: NIXL
     cancels it, but bytes UCX already handed to the transport are not called back). The pages
@@ -32,7 +32,7 @@ class TransferError(Exception):
     target refused the write or is dead.
     """
 
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE,
                  in_flight: bool = False) -> None:
         super().__init__(message)
         self.code = code

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
+from common.errors import ErrorCode
 from common.transports import TransferError
 from common.transports.nixl.agent import (
     PeerDisconnectedError,
@@ -90,11 +90,11 @@ class NixlInitiator:
                 # NIXL_ERR_NOT_ALLOWED here means NIXL still holds this name, e.g. added earlier
                 # by another NixlInitiator method; disconnect() first.
                 raise TransferError(f"cannot load NIXL metadata of {peer_name!r}: {type(exc).__name__}: {exc}",
-                                    grpc.StatusCode.FAILED_PRECONDITION) from None
+                                    ErrorCode.FAILED_PRECONDITION) from None
             if loaded != peer_name:
                 agent.remove_remote_agent(loaded)
                 raise TransferError(f"metadata names agent {loaded!r}, expected {peer_name!r}",
-                                    grpc.StatusCode.FAILED_PRECONDITION)
+                                    ErrorCode.FAILED_PRECONDITION)
             self._generation += 1
             self._peers[peer_name] = (bytes(metadata), self._generation)
 
@@ -150,19 +150,19 @@ class NixlInitiator:
             agent = self._live()
             if peer_name not in self._peers:
                 raise TransferError(f"not connected to {peer_name!r}: call connect() with its metadata",
-                                    grpc.StatusCode.FAILED_PRECONDITION)
+                                    ErrorCode.FAILED_PRECONDITION)
             generation = self._peers[peer_name][1]
             remote_memory = self._remote_memory_locked(peer_name, remote[0])
             if remote_memory is None:
                 raise TransferError(f"a remote range is outside the memory {peer_name!r} registered",
-                                    grpc.StatusCode.INVALID_ARGUMENT)
+                                    ErrorCode.INVALID_ARGUMENT)
             ldl = agent.get_xfer_descs(descriptors(local, self._memory[1]), self._memory[0])
             rdl = agent.get_xfer_descs(descriptors(remote, remote_memory[1]), remote_memory[0])
             try:
                 xfer = agent.initialize_xfer("WRITE", ldl, rdl, peer_name, notif)
             except self._not_found_err:
                 raise TransferError(f"a remote range is outside the memory {peer_name!r} registered",
-                                    grpc.StatusCode.INVALID_ARGUMENT) from None
+                                    ErrorCode.INVALID_ARGUMENT) from None
             except self._nixl_errors as exc:
                 raise self._error_locked(peer_name, generation, exc, "preparing") from None
             return self._post_locked(agent, peer_name, generation, xfer, len(local), int(local[:, 1].sum()), notif)
@@ -207,19 +207,19 @@ class NixlInitiator:
             agent = self._live()
             if peer_name not in self._peers:
                 raise TransferError(f"not connected to {peer_name!r}: call connect() with its metadata",
-                                    grpc.StatusCode.FAILED_PRECONDITION)
+                                    ErrorCode.FAILED_PRECONDITION)
             lo = int(remote[:, 0].min())
             span = np.array([[lo, int((remote[:, 0] + remote[:, 1]).max()) - lo]], dtype=np.int64)
             memory = self._remote_memory_locked(peer_name, span[0])
             if memory is None or not agent.check_remote_metadata(
                     peer_name, agent.get_xfer_descs(descriptors(span, memory[1]), memory[0])):
                 raise TransferError(f"a block is outside the memory {peer_name!r} registered",
-                                    grpc.StatusCode.INVALID_ARGUMENT)
+                                    ErrorCode.INVALID_ARGUMENT)
             try:
                 prepared = agent.prep_xfer_dlist(peer_name, descriptors(remote, memory[1]), memory[0])
             except self._nixl_errors as exc:
                 raise TransferError(f"cannot describe the pool of {peer_name!r}: {type(exc).__name__}: {exc}",
-                                    grpc.StatusCode.INVALID_ARGUMENT) from None
+                                    ErrorCode.INVALID_ARGUMENT) from None
             if (old := self._remote_blocks.pop(peer_name, None)) is not None:
                 self._release_dlist(old)
             self._remote_blocks[peer_name] = prepared
@@ -237,7 +237,7 @@ class NixlInitiator:
             agent = self._live()
             if peer_name not in self._remote_blocks or self._local_blocks is None:
                 raise TransferError(f"no prepared blocks for {peer_name!r}: connect() and prepare_remote() first",
-                                    grpc.StatusCode.FAILED_PRECONDITION)
+                                    ErrorCode.FAILED_PRECONDITION)
             generation = self._peers[peer_name][1]
             try:
                 xfer = agent.make_prepped_xfer("WRITE", self._local_blocks, local_indices.astype(np.int32, copy=False),
@@ -290,7 +290,7 @@ class NixlInitiator:
                     raise TransferError(
                         f"write of {handle.nbytes} bytes to {handle.peer!r} not done after {timeout_s:.3g} s; "
                         "it was cancelled, but bytes already on their way may still land",
-                        grpc.StatusCode.DEADLINE_EXCEEDED, in_flight=True)
+                        ErrorCode.DEADLINE_EXCEEDED, in_flight=True)
             # Spin briefly (sm transfers finish within the post; tcp needs frequent progress),
             # then back off so a 2-core machine keeps a core for the target and for compute.
             polls += 1
@@ -367,7 +367,7 @@ class NixlInitiator:
             return TransferError(f"the connection to {peer!r} was dropped or replaced (disconnect() or "
                                  "connect() with new metadata) while this write was in flight")
         if exc is not None and isinstance(exc, self._invalid_err):
-            return TransferError(f"NIXL rejected the write to {peer!r}: {exc}", grpc.StatusCode.INVALID_ARGUMENT)
+            return TransferError(f"NIXL rejected the write to {peer!r}: {exc}", ErrorCode.INVALID_ARGUMENT)
         what = f"{type(exc).__name__}: {exc}" if exc is not None else "transfer state ERR"
         return TransferError(f"write to {peer!r} failed while {when}: {what}")
 

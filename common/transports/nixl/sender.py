@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 
+from common.errors import ErrorCode
 from common.kv.pool import KVPool
 from common.transports import TransferError
 from common.transports.nixl.initiator import NixlInitiator, WriteHandle
@@ -77,7 +77,7 @@ class NixlTransfer:
             self._error = self._error or exc
         except Exception as exc:
             self._error = self._error or TransferError(f"posting the KV writes failed: {type(exc).__name__}: {exc}",
-                                                       grpc.StatusCode.INTERNAL)
+                                                       ErrorCode.INTERNAL)
 
     def _plan(self, pieces: list[Piece]) -> PagePlan:
         """The page plan of a piece list, made once: the scheduler posts one list for every layer."""
@@ -170,10 +170,10 @@ class NixlSender:
         expected = info.num_slots * 2 * self._pool.num_layers * self._pool.slot_bytes()
         if info.pool_size_bytes != expected:
             raise TransferError(f"peer {peer} registered {info.pool_size_bytes} bytes, expected {expected}",
-                                grpc.StatusCode.FAILED_PRECONDITION)
+                                ErrorCode.FAILED_PRECONDITION)
         if info.num_slots % self._pool.page_size:
             raise TransferError(f"peer {peer} has {info.num_slots} slots, not whole "
-                                f"{self._pool.page_size}-slot pages", grpc.StatusCode.FAILED_PRECONDITION)
+                                f"{self._pool.page_size}-slot pages", ErrorCode.FAILED_PRECONDITION)
         self._initiator.connect(info.nixl_agent_name, info.nixl_agent_metadata)
         self._initiator.prepare_remote(info.nixl_agent_name, self._page_blocks(info.pool_base_address, info.num_slots))
         self._peers[peer] = _Peer(info.nixl_agent_name, info.pool_base_address, info.num_slots)

@@ -16,11 +16,10 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import torch
 
-from common.errors import NotFound, PermissionDenied, RequestError
+from common.errors import ErrorCode, NotFound, PermissionDenied, RequestError
 from common.kv.pool import KVPool
 from common.transports.connector import WriteWindow
 from common.transports.fences import WriteFences
@@ -87,7 +86,7 @@ class TcpReceiver:
             except OSError:
                 return
             if not self._slots.acquire(blocking=False):
-                wire.reply(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, "receiver busy: too many concurrent transfers")
+                wire.reply(conn, ErrorCode.RESOURCE_EXHAUSTED, "receiver busy: too many concurrent transfers")
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="tcp-kv-conn", daemon=True).start()
@@ -111,7 +110,7 @@ class TcpReceiver:
                 fence = self.fences.raise_fence(window, quarantine=False)
                 conn.settimeout(POLL_S)
                 self._receive_writes(conn, window)
-                wire.reply(conn, grpc.StatusCode.OK, "")
+                wire.reply(conn, ErrorCode.OK, "")
         except Exception as exc:  # a broken sender must not take the receiver down
             log.warning("KV transfer failed", extra={"fields": {"error": str(exc)}})
         finally:
@@ -186,5 +185,5 @@ class TcpReceiver:
 
     @staticmethod
     def _refuse(conn: socket.socket, what: str) -> None:
-        wire.reply(conn, grpc.StatusCode.PERMISSION_DENIED, f"write outside the reservation: {what}")
+        wire.reply(conn, ErrorCode.PERMISSION_DENIED, f"write outside the reservation: {what}")
         raise ValueError("write outside the reservation")

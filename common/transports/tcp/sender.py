@@ -8,9 +8,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 
+from common.errors import ErrorCode
 from common.kv.pool import KVPool
 from common.transports import TransferError
 from common.transports.pieces import Piece
@@ -79,13 +79,13 @@ class TcpTransfer:
             wire.recv_exact(self._sock, memoryview(message))
         except TimeoutError:
             raise TransferError(f"the KV transfer missed its deadline: {self._error or 'no confirmation'}",
-                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
+                                ErrorCode.DEADLINE_EXCEEDED) from None
         except (OSError, ConnectionError) as exc:
             raise TransferError(f"the KV receiver did not confirm the transfer: {self._error or exc}") from None
         finally:
             self._sock.close()
-        if status != grpc.StatusCode.OK.value[0]:
-            code = next((c for c in grpc.StatusCode if c.value[0] == status), grpc.StatusCode.UNKNOWN)
+        if status != ErrorCode.OK.value:
+            code = next((c for c in ErrorCode if c.value == status), ErrorCode.UNKNOWN)
             raise TransferError(f"the decode node refused the transfer: {message.decode()}", code)
 
     def cancel(self) -> bool:

@@ -27,10 +27,10 @@ import socket
 import struct
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 import torch
 
+from common.errors import ErrorCode
 from common.kv.pool import KVPool
 from common.transports.pieces import Piece
 from cuda.paged_kv import gather_from_slots
@@ -153,9 +153,9 @@ def stage_on_host(pool: KVPool, layer: int, pieces: list[Piece]) -> tuple[torch.
     return host, copied.synchronize
 
 
-def reply(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+def reply(conn: socket.socket, code: ErrorCode, message: str) -> None:
     body = message.encode()
     try:
-        conn.sendall(REPLY.pack(code.value[0], len(body)) + body)
+        conn.sendall(REPLY.pack(code.value, len(body)) + body)
     except OSError:
         pass
