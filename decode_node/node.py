@@ -10,6 +10,7 @@ CompleteTransfer), `migration.py` (moving a running request to another decode no
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -46,6 +47,8 @@ from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
 WAITING_STATUSES = (Status.QUEUED, *HOLDING_RESERVATION)  # what vllm:num_requests_waiting counts
+# How long a continuation waits for the instance it supersedes to end (it ends at its next step).
+SUPERSEDE_WAIT_S = 5.0
 
 class DecodeNode:
     def __init__(self, config: DecodeNodeConfig, model: DecoderModel, tokenizer: Tokenizer) -> None:
@@ -229,6 +232,7 @@ class DecodeNode:
                   continuation: Continuation) -> RequestHandle:
         """Continue each sample of `continuation` from its prompt and output, computed here."""
         contexts = [self._check_prompt(prompt + list(s.generated)) for s in continuation.samples]
+        self._supersede(request_id)
         read_backs = [self.tiers.read_back(request_id, tokens[:-1]) for tokens in contexts]
         with self.engine.lock:
             entry = self.hand_off.new_request(request_id)
@@ -246,6 +250,19 @@ class DecodeNode:
             entry.sampling = sampling
             self.requests.move(entry, Status.RUNNING)
             return self.scheduler.submit_continuation(request_id, seqs, params, continuation)
+
+    def _supersede(self, request_id: str) -> None:
+        """A continuation is the request resumed by a client that lost its stream; an instance
+        of it still generating here is the one that stream fed (its cancellation, when the
+        client's router died, lands at the next step; or this node took it over by a migration
+        whose source then died). It is ended, so the continuation takes the id, instead of
+        ALREADY_EXISTS; one in another state keeps the id (the wait is bounded)."""
+        if self.requests.get(request_id) is None:
+            return
+        self.cancel(request_id)
+        deadline = time.monotonic() + SUPERSEDE_WAIT_S
+        while self.requests.get(request_id) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _local_sequence(self, request_id: str, tokens: list[int], cancelled: Callable[[], bool],
                         deadline: float | None, use_prefix_cache: bool) -> Sequence:

@@ -349,6 +349,29 @@ def test_drain_hands_every_stream_over_and_exits(nodes, pair):
     assert finished_on_targets == set(ids)
 
 
+def test_a_continuation_supersedes_the_instance_its_client_lost(pair):
+    """A client whose stream broke (its router died) asks again with the tokens it holds, while
+    the node still generates the instance that stream fed (it has not seen the break yet): the
+    continuation takes the request over, the old instance ends, and the answer is token for
+    token the unbroken one's (it used to be ALREADY_EXISTS until the old instance ended)."""
+    a, _ = pair
+    request = pb.GenerateRequest(token_ids=PROMPT, sampling=sampling(max_tokens=60, **NO_SPEC))
+    reference = run(a, "supersede-ref", pb.GenerateRequest().FromString(request.SerializeToString()))
+    request.request_id = "supersede"
+    lost = a.stub.Generate(request, timeout=120)
+    received: list[int] = []
+    for chunk in lost:
+        received += chunk.token_ids
+        if len(received) >= 4:
+            break  # the stream stays open: the node goes on generating into it
+    request.continuation.CopyFrom(pb.Continuation(samples=[pb.SampleContinuation(
+        index=0, generated_token_ids=received)]))
+    rest = [t for chunk in a.stub.Generate(request, timeout=120) for t in chunk.token_ids]
+    assert received + rest == reference.tokens[0]
+    assert [c.finish_reason for c in lost][-1:] == ["abort"]  # the superseded instance ended
+    lost.cancel()
+
+
 def test_bad_continuations_are_invalid_argument(pair):
     a, b = pair
     ok = pb.SampleContinuation(index=0, generated_token_ids=[300, 301])
