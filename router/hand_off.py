@@ -36,9 +36,12 @@ from router.continuation import Relayed
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 1.0  # for a decode node whose stream broke with INTERNAL or UNKNOWN to answer GetLoad
-# A client continuation may name a request still live on its decode node: the stream of the router
-# the client lost, which that node has not yet seen end. It waits this long for the node to let go.
-SETTLE_S = 3.0
+# A client's retry (a continuation, or the request again before any token) may name a request
+# still live on its decode node: the instance fed by the router the client lost, which that node
+# has not ended yet (a generating one ends at its next step; one mid hand-off when its prefill node
+# answers or its lease passes). Until its first chunk the request waits this long for the node to
+# let go, rather than failing ALREADY_EXISTS.
+SETTLE_S = 10.0
 
 
 def prefix_holder(chosen: Choice, choices: list[Choice], min_tokens: int) -> pb.PrefixHolder | None:
@@ -126,7 +129,7 @@ class Router:
                 self.expected_hits.inc(choice.cached_tokens)
                 return
             except grpc.RpcError as exc:
-                if (relayed.resumed and not relayed.chunks and exc.code() == grpc.StatusCode.ALREADY_EXISTS
+                if (not relayed.chunks and exc.code() == grpc.StatusCode.ALREADY_EXISTS
                         and time.monotonic() < settle_until):
                     time.sleep(0.05)  # the stream of the router the client lost still winds down there
                     continue

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,6 +71,22 @@ def test_prefill_node_killed_while_requests_run(cluster, model):
         p1.proc.send_signal(signal.SIGKILL)
         results = [f.result() for f in futures]
     assert results == expected
+
+
+def test_a_retry_waits_for_its_decode_node_to_let_go_of_the_lost_instance(cluster, model):
+    """A client retrying here a request whose router died before any token (the same request id)
+    can find it still live on the decode node, mid hand-off: the router waits for the node to let
+    go of it, rather than answering ALREADY_EXISTS."""
+    rt, dn, _, _, _ = cluster
+    prompt = random_ids(60, 9)
+    dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="lost", token_ids=prompt), timeout=10)
+    threading.Timer(1.0, lambda: dn.stub.Abort(pb.AbortRequest(request_id="lost"), timeout=10)).start()
+    started = time.monotonic()
+    request = pb.GenerateRequest(request_id="lost", token_ids=prompt,
+                                 sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [t for chunk in rt.stub.Generate(request, timeout=60) for t in chunk.token_ids] == \
+        engine_greedy(model, prompt, 6)
+    assert time.monotonic() - started >= 1.0
 
 
 def test_a_malformed_client_continuation_is_refused(cluster):
