@@ -40,6 +40,8 @@ bench-peer: $(STAMP)
 # Fault points x transports with the real daemons (prefill node killed or the request aborted at
 # each step of the hand-off, decode node killed mid-stream; not part of `make test`): completed
 # requests, exact tokens, leaked pages and time until the pool is whole (docs/bench/chaos.md).
+# `make chaos ARGS="--load"`: random faults on 2x2 nodes behind two routers under a Poisson load
+# (scripts/chaos_load.py, needs root for network namespaces): goodput faulted / fault-free.
 chaos: $(STAMP)
 	$(PY) -m scripts.chaos $(ARGS)
 
