@@ -28,9 +28,11 @@ seconds (exponential gaps), drawn with `--seed`:
 - `drain`: a decode node's Drain: it migrates its requests to the others and exits; restarted.
 
 At most one daemon of each role is under a fault at a time (a router's clients need the other).
-Every answer, and the tokens of a broken stream, are checked against the in-process engine's
-greedy continuation of the prompt the client sent (tests/reference.py). Printed per transport:
-completed, failed by status, wrong tokens, hung requests (no end `HUNG_AFTER_S` after being
+Every answer, and the tokens of a broken stream, are checked against the in-process engine: each
+token must be its greedy choice given the prompt the client sent and the tokens before it (one
+teacher-forced forward, tests/reference.py `greedy_gaps`), within a logit gap of `TIE` (a near-tie
+flipped by float32 sums in another order is counted apart). Printed per transport: completed,
+failed by status, wrong tokens, hung requests (no end `HUNG_AFTER_S` after being
 sent), pages reserved or quarantined on each decode node once idle, each fault with its time and
 the seconds until the pool was whole again (every daemon serving, no page quarantined), requests
 that a router's death moved to the other router, and goodput (exact completions per second from
@@ -71,7 +73,7 @@ from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.chaos import settle
 from scripts.netns_hosts import Host, Network, NetnsDaemon, netns_unavailable_reason
-from tests.reference import FP32, engine_greedy_many
+from tests.reference import FP32, greedy_gaps
 
 TRANSPORTS = ("nixl", "tcp")
 LEASE_S, QUARANTINE_S, TRANSFER_TIMEOUT_S = 8, 30, 10
@@ -81,6 +83,7 @@ RESTART_PAUSE_S = 2
 DEADLINE_S = 120.0  # each request's gRPC deadline, per target
 HUNG_AFTER_S = 2 * DEADLINE_S + 15  # no end by then, with both targets' deadlines past: hung
 RECOVERY_LIMIT_S = QUARANTINE_S + 60
+TIE = 1e-3  # a logit this close to the best is as greedy a choice as the best (check())
 # Each fault and the roles it takes (no two faults at once on one role).
 FAULTS = {"kill-prefill": {"prefill"}, "kill-decode": {"decode"}, "kill-router": {"router"},
           "stop-prefill": {"prefill"}, "stop-decode": {"decode"}, "cut": {"prefill", "decode"},
@@ -226,7 +229,8 @@ class Record:
     start: float = 0.0
     end: float = 0.0
     retries: int = 0  # the target became UNAVAILABLE and the fallback went on
-    exact: bool | None = None  # every token equals the reference's (None: no token)
+    exact: bool | None = None  # every token is the reference's greedy choice (None: no token)
+    near_tie: bool = False  # a token is the other side of a near-tie with the reference's choice
 
 
 def sessions(n_requests: int, seed: int, prompt_seed: int, turns: int, direct_share: float, routers: list[str],
@@ -449,6 +453,7 @@ class Pass:
     goodput: float  # exact completions per second
     router_retries: int  # requests a router's death moved to the other router
     router_retries_exact: int
+    near_ties: int = 0  # requests with a near-tie token (exact all the same)
     failures: list[str] = field(default_factory=list)  # each failed or wrong request, and why
 
 
@@ -461,19 +466,22 @@ class Run:
     passes: list[Pass]
     faults: list[Fault]
     stranded: dict[str, str | None]  # decode node -> what was still out of service once idle (None: whole)
+    records: list[Record] = field(default_factory=list)  # both passes' requests (--json), to check again
 
     @property
     def goodput_ratio(self) -> float:
         return self.passes[1].goodput / self.passes[0].goodput if self.passes[0].goodput else 0.0
 
 
-def check(records: list[Record], model: DecoderModel, output_len: int) -> None:
-    """Compare every request's tokens with the engine's greedy continuation of its prompt."""
-    todo = [r for r in records if r.tokens]
-    for i in range(0, len(todo), 16):
-        batch = todo[i:i + 16]
-        for r, want in zip(batch, engine_greedy_many(model, [r.prompt for r in batch], output_len)):
-            r.exact = r.tokens == want[:len(r.tokens)]
+def check(records: list[Record], model: DecoderModel) -> None:
+    """Every token a request streamed must be the in-process engine's greedy choice given its
+    prompt and the tokens before it, within `TIE`: float32 sums in another order (chunked
+    prefill, batches, a hand-off) can pick the other side of a near-tie (seen: a gap of 2e-5),
+    which is counted apart, not as wrong."""
+    for r in records:
+        if r.tokens:
+            gaps = greedy_gaps(model, r.prompt, r.tokens)
+            r.exact, r.near_tie = max(gaps) <= TIE, any(0.0 < g <= TIE for g in gaps)
 
 
 def summarize(name: str, records: list[Record], routers: set[str]) -> Pass:
@@ -487,7 +495,7 @@ def summarize(name: str, records: list[Record], routers: set[str]) -> Pass:
     return Pass(name, len(records), len(ok), dict(Counter(r.status for r in records if r.status != "OK")),
                 sum(r.exact is False for r in records), sum(r.status == "HUNG" for r in records), seconds,
                 len(exact) / seconds if seconds else 0.0, len(retried),
-                sum(r.status == "OK" and bool(r.exact) for r in retried), failures)
+                sum(r.status == "OK" and bool(r.exact) for r in retried), sum(r.near_tie for r in records), failures)
 
 
 def statuses(records: list[Record]) -> str:
@@ -536,9 +544,9 @@ def run_transport(transport: str, args: argparse.Namespace, model_ready: threadi
     model_ready.wait()
     torch.set_num_threads(os.cpu_count() or 1)  # the daemons are gone: the reference may take every core
     for records in results:
-        check(records, model_box[0], args.output_len)
+        check(records, model_box[0])
     passes = [summarize(name, records, set(entries[0])) for name, records in zip(("fault-free", "faulted"), results)]
-    return Run(transport, args.seed, capacity, rate, passes, faults, stranded)
+    return Run(transport, args.seed, capacity, rate, passes, faults, stranded, [r for rs in results for r in rs])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,12 +557,12 @@ def report(run: Run) -> str:
     lines = [f"### {run.transport}", "",
              f"Capacity {run.capacity:.2f} requests/s (fault-free, closed loop); both passes sent "
              f"{run.rate:.2f} requests/s (Poisson), seed {run.seed}.", "",
-             "| pass | requests | completed | failed (by status) | wrong tokens | hung | seconds | goodput (exact/s) "
-             "| moved to the other router (exact) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| pass | requests | completed | failed (by status) | wrong tokens (near-tie flips) | hung | seconds "
+             "| goodput (exact/s) | moved to the other router (exact) |", "|---|---|---|---|---|---|---|---|---|"]
     for p in run.passes:
         failed = ", ".join(f"{k} {v}" for k, v in sorted(p.failed.items())) or "none"
         lines.append(f"| {p.name} | {p.requests} | {p.completed} ({100 * p.completed / max(p.requests, 1):.1f}%) "
-                     f"| {failed} | {p.wrong} | {p.hung} | {p.seconds:.0f} | {p.goodput:.3f} "
+                     f"| {failed} | {p.wrong} ({p.near_ties}) | {p.hung} | {p.seconds:.0f} | {p.goodput:.3f} "
                      f"| {p.router_retries} ({p.router_retries_exact}) |")
     for p in run.passes:
         lines += [f"- {p.name}: {f}" for f in p.failures]

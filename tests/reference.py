@@ -43,6 +43,21 @@ def engine_greedy(model: DecoderModel, prompt: list[int], num_tokens: int, page_
     return engine_greedy_many(model, [prompt], num_tokens, page_size)[0]
 
 
+@torch.inference_mode()
+def greedy_gaps(model: DecoderModel, prompt: list[int], tokens: list[int], page_size: int = 16) -> list[float]:
+    """How far below our engine's best logit each of `tokens` is, given the prompt and the tokens
+    before it (teacher forcing: one forward): 0.0 where it is the greedy choice. Output computed
+    in another order (chunked, batched, handed off) may pick the other side of a near-tie, a gap of
+    about 1e-5 in float32; a wrong token is far below."""
+    ids = prompt + tokens
+    engine = Engine(model, num_pages=-(-len(ids) // page_size) + 1, page_size=page_size)
+    seq = engine.new_sequence("gaps", ids, use_prefix_cache=False)
+    engine.reserve(seq, len(ids))
+    logits = engine.forward([(seq, len(ids))], every_position={0})[len(prompt) - 1 : len(ids) - 1]
+    chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    return (logits.max(dim=1).values - chosen).tolist()
+
+
 def engine_greedy_many(model: DecoderModel, prompts: list[list[int]], num_tokens: int,
                        page_size: int = 16) -> list[list[int]]:
     """engine_greedy of several prompts, run as one batch per step (a row's tokens do not depend

@@ -8,7 +8,7 @@ from common.engine.core import Engine
 from common.kv.page_allocator import OutOfPages
 from common.kv.segments import slot_range
 from tests.helpers import random_ids
-from tests.reference import engine_greedy, engine_greedy_many
+from tests.reference import engine_greedy, engine_greedy_many, greedy_gaps
 from tests.test_model_vs_transformers import full_logits
 
 
@@ -38,6 +38,15 @@ def test_batched_decode_of_mixed_lengths_equals_each_alone(model):
     prompts = [random_ids(n, 10 + n) for n in (5, 17, 40, 64)]
     # One batched prefill of all prompts, then batched single-token decode steps.
     assert engine_greedy_many(model, prompts, 6) == [engine_greedy(model, p, 6) for p in prompts]
+
+
+def test_greedy_gaps_are_zero_along_the_greedy_output_and_large_off_it(model):
+    prompt = random_ids(50, 12)
+    tokens = engine_greedy(model, prompt, 8)
+    assert max(greedy_gaps(model, prompt, tokens)) < 1e-4
+    wrong = tokens[:5] + [(tokens[5] + 1) % 1000 + 100] + tokens[6:]
+    gaps = greedy_gaps(model, prompt, wrong)
+    assert max(gaps[:5]) < 1e-4 and gaps[5] > 0.1
 
 
 def test_reserve_is_all_or_nothing(model):
