@@ -28,7 +28,8 @@ SUMMARY_FIELDS = {
 }
 REQUEST_FIELDS = {
     "index", "request_id", "status", "error", "finish_reason", "arrival_s", "start_s", "first_token_s", "end_s", "ttft_ms",
-    "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "cacheable_tokens", "text",
+    "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "cacheable_tokens", "retries",
+    "text",
 }
 STATS = {"mean", "median", "p90", "p99"}
 
@@ -170,7 +171,7 @@ def test_run_against_a_decode_node_writes_json_and_png(node, tmp_path):
     assert len(data["requests"]) == 4
     for r in data["requests"]:
         assert set(r) == REQUEST_FIELDS
-        assert r["status"] == "OK" and r["finish_reason"] == "length"
+        assert r["status"] == "OK" and r["finish_reason"] == "length" and r["retries"] == 0
         assert r["prompt_tokens"] == 24 and r["completion_tokens"] == 4
         assert 1 <= len(r["itl_ms"]) <= 3
         assert r["arrival_s"] <= r["start_s"] < r["first_token_s"] <= r["end_s"]
