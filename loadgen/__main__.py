@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, argparse
                        "(http:// or https://)")
     where.add_argument("--targets", metavar="HOST:PORT,HOST:PORT,...",
                        help="duet gRPC targets (e.g. two routers): requests go to the first; one whose target "
-                       "becomes UNAVAILABLE goes on at the next with the tokens it has received")
+                       "becomes UNAVAILABLE goes on at the next with the tokens it has received (after the last, at the first "
+                       "again: at most three rounds)")
     p.add_argument("--endpoint", choices=OPENAI_ENDPOINTS, default=None,
                    help="HTTP targets: the API to call (default /v1/completions); /v1/chat/completions sends every "
                    "prompt as a chat message, over gRPC too, so --compare runs the same requests")

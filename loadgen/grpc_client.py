@@ -1,6 +1,7 @@
 """One streamed duet.v1.DecodeNode/Generate call, timestamped chunk by chunk."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -12,6 +13,11 @@ from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
+# With fallbacks, a request goes round its targets at most this many times, pausing ROUND_PAUSE_S x the
+# round before each new one: a target that died and came back on its port (a restarted router) takes the
+# request again once every other target has failed it too.
+ROUNDS = 3
+ROUND_PAUSE_S = 1.0
 
 
 def generate_request(request_id: str, sample: SampleRequest, ignore_eos: bool) -> pb.GenerateRequest:
@@ -34,7 +40,8 @@ def continued(request: pb.GenerateRequest, received: list[int]) -> pb.GenerateRe
 
 class GrpcTarget:
     """A decode node or router over gRPC, for one run (`async with GrpcTarget(config) as t: await t.send(...)`);
-    with `config.fallbacks`, the next one takes a request over when its target becomes UNAVAILABLE."""
+    with `config.fallbacks`, the next one takes a request over when its target becomes UNAVAILABLE, the
+    first again after the last (at most ROUNDS times round)."""
 
     def __init__(self, config: BenchmarkConfig) -> None:
         self.config = config
@@ -61,7 +68,11 @@ class GrpcTarget:
         texts: list[str] = []
         final: pb.GenerationChunk | None = None
         status, error = OK, ""
-        for attempt, stub in enumerate(self._stubs):
+        attempts = ROUNDS * len(self._stubs) if len(self._stubs) > 1 else 1
+        for attempt in range(attempts):
+            stub = self._stubs[attempt % len(self._stubs)]
+            if attempt and attempt % len(self._stubs) == 0:
+                await asyncio.sleep(ROUND_PAUSE_S * (attempt // len(self._stubs)))
             try:
                 async for chunk in stub.Generate(continued(request, ids) if ids else request,
                                                  timeout=self.config.timeout):
@@ -73,7 +84,7 @@ class GrpcTarget:
                         final = chunk
             except grpc.aio.AioRpcError as exc:
                 status, error = exc.code().name, exc.details() or ""
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and final is None and attempt + 1 < len(self._stubs):
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and final is None and attempt + 1 < attempts:
                     status, error = OK, ""  # the next target goes on from the tokens received
                     continue
             except Exception as exc:  # anything else that ends the call is reported, not raised

@@ -2,6 +2,7 @@
 and over the node's own OpenAI HTTP front (`--openai-port`)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -11,6 +12,7 @@ import sys
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 
@@ -18,7 +20,12 @@ from loadgen import BenchmarkConfig, format_table, run_benchmark
 from loadgen.arrivals import arrival_offsets
 from loadgen.config import CHAT
 from loadgen.datasets import TOKEN_ID_RANGE, file_dataset, random_dataset, shared_prefix_dataset
+from loadgen import grpc_client
+from loadgen.grpc_client import GrpcTarget
 from loadgen.plot import figure
+from loadgen.request_result import RequestResult
+from protos.duet.v1 import duet_pb2 as pb
+from protos.duet.v1 import duet_pb2_grpc
 from scripts.local_daemons import ROOT, decode_node, free_port
 
 SUMMARY_FIELDS = {
@@ -250,6 +257,49 @@ def test_target_dying_mid_run_yields_failed_counts(tmp_path, protocol):
     assert summary["failed"] >= 3 and summary["failed_by_status"].get(cut, 0) >= 1
     assert set(summary["failed_by_status"]) <= {cut} | others
     assert all(r["error"] for r in data["requests"] if r["status"] != "OK")
+
+
+class _DiesOnceNode(duet_pb2_grpc.DecodeNodeServicer):
+    """A target that streams two tokens then goes UNAVAILABLE (as a killed router's stream does) and,
+    asked again, goes on from the tokens the client holds: a target restarted on its port."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    async def Generate(self, request, context):
+        held = [list(s.generated_token_ids) for s in request.continuation.samples]
+        self.calls.append(held[0] if held else [])
+        if not held:
+            yield pb.GenerationChunk(token_ids=[11, 12])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "going down")
+        yield pb.GenerationChunk(token_ids=[13], finish_reason="length",
+                                 usage=pb.Usage(prompt_tokens=8, completion_tokens=3))
+
+
+def test_a_request_goes_round_its_targets_back_to_one_that_came_back(monkeypatch):
+    """A killed, B down: the request returns to A (back on its port) with its tokens, after a pause;
+    with every target down it ends UNAVAILABLE after ROUNDS rounds, never sooner, never a hang."""
+    monkeypatch.setattr(grpc_client, "ROUND_PAUSE_S", 0.05)
+    sample = random_dataset(1, input_len=8, output_len=3, range_ratio=0.0, seed=0)[0]
+
+    async def run(fallback_ok: bool) -> tuple[RequestResult, list[list[int]]]:
+        server, servicer = grpc.aio.server(), _DiesOnceNode()
+        duet_pb2_grpc.add_DecodeNodeServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        down = f"127.0.0.1:{free_port()}"
+        target = f"127.0.0.1:{port}" if fallback_ok else down
+        try:
+            async with GrpcTarget(BenchmarkConfig(target=target, fallbacks=(down,), timeout=10)) as t:
+                return await t.send(0, "r0", sample, origin=time.perf_counter(), arrival=0.0), servicer.calls
+        finally:
+            await server.stop(None)
+
+    result, calls = asyncio.run(run(True))
+    assert (result.status, result.token_ids, result.finish_reason) == ("OK", [11, 12, 13], "length")
+    assert result.retries == 2 and calls == [[], [11, 12]]  # A, B (down), A again with what it had sent
+    result, calls = asyncio.run(run(False))
+    assert result.status == "UNAVAILABLE" and result.retries == grpc_client.ROUNDS * 2 - 1 and calls == []
 
 
 # ---------------------------------------------------------------- the same workloads over OpenAI HTTP
