@@ -21,6 +21,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from common.kv.segments import Segments, slot_range
+from common.node_messages import ReceiveWindow
 from common.peers.hand_off import KvSource, hand_off
 from common.peers.prefill_pool import PrefillPool
 from common.serving.kv_tiers import KvTiers
@@ -29,7 +30,6 @@ from decode_node.admission import Admission
 from decode_node.config import DecodeNodeConfig
 from decode_node.migration import sample_request_id
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
-from protos.duet.v1 import duet_pb2 as pb
 
 
 class HandOff:
@@ -76,7 +76,7 @@ class HandOff:
 
     def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None,
                         cancelled: Callable[[], bool] = lambda: False,
-                        deadline: float | None = None, writer: str = "computed") -> pb.PrepareReceiveResponse:
+                        deadline: float | None = None, writer: str = "computed") -> ReceiveWindow:
         """Reserve slots for positions [kv_window_begin, end) of the prompt: from the end of the
         cached prefix, or with a sliding window from the first position still attended. With
         --admission queue it waits for room until `cancelled()` or the `deadline` (monotonic).
@@ -111,13 +111,12 @@ class HandOff:
                 self.requests.move(entry, Status.RECEIVED)
         self.tracer.event(request_id, "prefix_matched", matched_tokens=matched, prompt_tokens=n)
         self.tracer.event(request_id, "pages_reserved", pages=len(seq.held_pages), slots=segments.num_slots)
-        return pb.PrepareReceiveResponse(
+        return ReceiveWindow(
             prompt_length=n, prefix_matched_length=matched, kv_window_begin=begin, kv_window_end=resolved,
             kv_append_metadata=segments.to_wire(), lease_deadline_unix=lease_deadline,
             transfer_nonce=entry.reservation.nonce)
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams,
-                         sampling: pb.SamplingParams | None = None,
                          continuation: Continuation | None = None) -> RequestHandle:
         """Claim the received reservation and generate from it; with a `continuation` (a migrated
         request) claim each of its samples' reservations and continue them."""
@@ -126,7 +125,7 @@ class HandOff:
                                   "with Generate (StartGeneration continues a prompt prefilled elsewhere)")
         with self.engine.lock:
             entry = self._received(request_id, kv_window_begin)
-            entry.sampling = sampling
+            entry.params = params
             r = entry.reservation
             if continuation is None:
                 self._claim(entry)
@@ -168,13 +167,12 @@ class HandOff:
         self.requests.move(entry, Status.RUNNING)
 
     def generate_remote(self, request_id: str, tokens: list[int], params: SamplingParams,
-                        sampling: pb.SamplingParams | None, cancelled: Callable[[], bool],
-                        deadline: float | None, prefiller: str | None = None, source: KvSource | None = None,
+                        cancelled: Callable[[], bool], deadline: float | None, prefiller: str | None = None, source: KvSource | None = None,
                         end: int | None = None) -> tuple[RequestHandle | None, bool]:
         """The three calls with a prefill node (or another `source`: a decode node holding the
         prefix up to `end`, decode_node/prefix_fetch.py): the handle, or None when the KV did not
         arrive; and whether the request was aborted meanwhile (then Generate must not prefill it here)."""
-        steps = _InProcessSteps(self, request_id, tokens, params, sampling, cancelled, deadline, end,
+        steps = _InProcessSteps(self, request_id, tokens, params, cancelled, deadline, end,
                                 writer="computed" if source is None else "peer")
         handle = hand_off(request_id, tokens, steps, source or self.prefill_pool, self.tracer, prefiller,
                           span="remote_prefill" if source is None else "prefix_fetch")
@@ -185,17 +183,15 @@ class _InProcessSteps:
     """The hand-off's steps as the decode node runs them on itself."""
 
     def __init__(self, node: HandOff, request_id: str, tokens: list[int], params: SamplingParams,
-                 sampling: pb.SamplingParams | None, cancelled: Callable[[], bool], deadline: float | None,
-                 end: int | None, writer: str) -> None:
+                 cancelled: Callable[[], bool], deadline: float | None, end: int | None, writer: str) -> None:
         """`end`: where the received window ends (None: where --pd-balance puts it)."""
         self.decode_address = node.config.advertise_address
         self._node, self._request_id, self._tokens, self._params = node, request_id, tokens, params
-        self._sampling = sampling
         self._cancelled, self._deadline = cancelled, deadline
         self._end, self._writer = end, writer
         self.entry: LiveRequest | None = None
 
-    def prepare(self) -> pb.PrepareReceiveResponse | None:
+    def prepare(self) -> ReceiveWindow | None:
         n = len(self._tokens)
         end = min(int((1 - self._node.config.pd_balance) * n), n - 1) if self._end is None else self._end
         try:
@@ -216,7 +212,7 @@ class _InProcessSteps:
 
     def start(self, kv_window_begin: int) -> RequestHandle | None:
         try:
-            return self._node.start_generation(self._request_id, kv_window_begin, self._params, self._sampling)
+            return self._node.start_generation(self._request_id, kv_window_begin, self._params)
         except (NotFound, FailedPrecondition):  # expired or aborted meanwhile
             self.release()
             return None

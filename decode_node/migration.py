@@ -32,12 +32,13 @@ from common.engine.generation import Chunk, Continuation
 from common.engine.scheduler import Detached, Scheduler
 from common.errors import ErrorCode, FailedPrecondition, InvalidArgument, NotFound, RequestError, Unavailable
 from common.kv.segments import slot_range
+from common.node_messages import MigrateResult
 from common.peers.decode_peers import DecodePeer
 from common.peers.kv_writer import KvWriter
 from common.peers.peer_status import STALLED, STREAM_BROKEN
 from common.serving.grpc_status import error_from_rpc, from_grpc
 from common.serving.incarnation import INCARNATION
-from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto
+from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto, sampling_to_proto
 from common.tracing import Tracer
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
@@ -95,7 +96,7 @@ class Migrations:
             raise InvalidArgument(f"target_address {target} is this decode node: name another one")
         return load
 
-    def migrate(self, request_id: str, target: str, reason: str = "rpc") -> pb.MigrateResponse:
+    def migrate(self, request_id: str, target: str, reason: str = "rpc") -> MigrateResult:
         """Move running request `request_id` to the decode node at `target`; returns once the
         target confirmed (its first chunk), and relays the rest in the background."""
         check_request_id(request_id)
@@ -105,7 +106,7 @@ class Migrations:
             entry = self.requests.get(request_id)
             if entry is None:
                 raise NotFound(f"no live request {request_id!r} on this node")
-            if entry.status is not Status.RUNNING or entry.sampling is None:
+            if entry.status is not Status.RUNNING or entry.params is None:
                 raise FailedPrecondition(f"request {request_id!r} is {entry.status.value}: only a running request "
                                          "moves (one being handed off or prefilled moves once it decodes)")
             m = self._live[request_id] = _Migration(entry, target, reason)
@@ -161,11 +162,11 @@ class Migrations:
             while self._live:
                 self._idle.wait()
 
-    def _hand_over(self, m: _Migration, peer: DecodePeer) -> tuple[pb.MigrateResponse, pb.GenerationChunk]:
+    def _hand_over(self, m: _Migration, peer: DecodePeer) -> tuple[MigrateResult, pb.GenerationChunk]:
         """Reserve on the target, write the KV, start it there; the response and its first chunk."""
         request_id, d = m.entry.request_id, m.detached
         deadline = time.monotonic() + self.config.lease_seconds
-        response = pb.MigrateResponse()
+        response = MigrateResult()
         first_end = 0
         for position, sample in enumerate(d.samples):
             self._check_aborted(m)
@@ -184,7 +185,7 @@ class Migrations:
                                     d.group.completion_tokens)
         with self.lock:
             m.call = peer.stub.StartGeneration(pb.StartGenerationRequest(
-                request_id=request_id, kv_window_begin=first_end, sampling=m.entry.sampling,
+                request_id=request_id, kv_window_begin=first_end, sampling=sampling_to_proto(m.entry.params),
                 continuation=continuation_to_proto(continuation)))
         self._check_aborted(m)
         return response, next(m.call)

@@ -24,6 +24,7 @@ from common.engine.scheduler import Scheduler
 from common.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from common.model.decoder import DecoderModel
 from common.model.tokenizer import Tokenizer
+from common.node_messages import MigrateResult, NodeLoad, PrefixHolder, ReceiveWindow, SendRequest, SendResult
 from common.peers.hand_off import worth_remote
 from common.peers.kv_writer import KvWriter
 from common.peers.prefill_pool import PrefillPool
@@ -43,7 +44,6 @@ from decode_node.migration import Migrations
 from decode_node.prefix_fetch import PrefixFetch
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Status
 from decode_node.writers import Writers
-from protos.duet.v1 import duet_pb2 as pb
 
 log = logging.getLogger(__name__)
 WAITING_STATUSES = (Status.QUEUED, *HOLDING_RESERVATION)  # what vllm:num_requests_waiting counts
@@ -121,13 +121,9 @@ class DecodeNode:
 
     def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None,
                         cancelled: Callable[[], bool] = lambda: False,
-                        deadline: float | None = None) -> pb.PrepareReceiveResponse:
+                        deadline: float | None = None) -> ReceiveWindow:
         self._check_accepting()
         return self.hand_off.prepare_receive(request_id, token_ids, kv_window_end, cancelled, deadline)
-
-    def transport_info(self, theirs: pb.CompatibilityFingerprint, transport: str,
-                       writer: pb.WriterIdentity | None = None) -> pb.TransportInfo:
-        return self.writers.transport_info(theirs, transport, writer)
 
     def begin_transfer(self, request_id: str, nonce: int, metadata: list[int], writer: int = 0) -> None:
         self.writers.begin(request_id, nonce, metadata, writer)
@@ -137,17 +133,15 @@ class DecodeNode:
         self.writers.complete(request_id, nonce, abandoned, checksums)
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams,
-                         sampling: pb.SamplingParams | None = None,
                          continuation: Continuation | None = None) -> RequestHandle:
-        """`sampling`: the parameters as the client sent them (a migration hands them on)."""
         check_request_id(request_id)
         self._check_speculation(params)
-        return self.hand_off.start_generation(request_id, kv_window_begin, params, sampling, continuation)
+        return self.hand_off.start_generation(request_id, kv_window_begin, params, continuation)
 
-    def send_prefix(self, request: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
+    def send_prefix(self, request: SendRequest, timeout_s: float | None) -> SendResult:
         return self.prefix_fetch.send(request, timeout_s)
 
-    def migrate(self, request_id: str, target_address: str) -> pb.MigrateResponse:
+    def migrate(self, request_id: str, target_address: str) -> MigrateResult:
         return self.migrations.migrate(request_id, target_address)
 
     def drain(self) -> int:
@@ -175,14 +169,14 @@ class DecodeNode:
 
     def generate(self, request_id: str, token_ids: Seq[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None,
-                 sampling: pb.SamplingParams | None = None, continuation: Continuation | None = None,
-                 prefiller: str | None = None, prefix_holder: pb.PrefixHolder | None = None) -> RequestHandle:
+                 continuation: Continuation | None = None, prefiller: str | None = None,
+                 prefix_holder: PrefixHolder | None = None) -> RequestHandle:
         """The one-call form: hand the prompt to a prefill node when that is worth it, else (or
         when no prefill node delivers) prefill locally, reusing the prefix cache either way.
         `cancelled` tells whether the caller gave up (then nothing more is started); with
         --admission queue it waits for room until then or the `deadline` (monotonic).
         A request for prompt logprobs is computed here from its first token (module docstring
-        of common/engine/scheduler.py). `sampling`: the parameters as the client sent them.
+        of common/engine/scheduler.py).
         With a `continuation` the prompt's generation continues here from the tokens another node
         generated, their context recomputed (with the prefix cache's help). `prefiller`: the
         prefill node a gateway named (x-prefiller-host-port); used when it is one of --prefill.
@@ -193,21 +187,21 @@ class DecodeNode:
         self._check_speculation(params)
         tokens = self._check_prompt(token_ids)
         if continuation is not None:
-            return self._continue(request_id, tokens, params, sampling, continuation)
+            return self._continue(request_id, tokens, params, continuation)
         scoring = params.prompt_logprobs is not None
         read_back = self.tiers.read_back(request_id, tokens[:-1], deadline) if not scoring else ReadBack()
         with self.engine.lock:
             self.admission.check_room()
             cached = self.engine.prefix_cache.matched_length(tokens[:-1])
         if prefix_holder is not None and not scoring:
-            handle, aborted = self.prefix_fetch.fetch(request_id, tokens, params, sampling, cancelled, deadline,
+            handle, aborted = self.prefix_fetch.fetch(request_id, tokens, params, cancelled, deadline,
                                                       prefix_holder, cached)
             if aborted:
                 raise Aborted(f"request {request_id!r} was aborted while its prefix was fetched")
             if handle is not None:
                 return handle
         if worth_remote(len(tokens), cached, self.config.min_remote_prefill_tokens, scoring, self.prefill_pool):
-            handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, sampling, cancelled, deadline,
+            handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, cancelled, deadline,
                                                             self._named_prefiller(prefiller))
             if aborted:
                 raise Aborted(f"request {request_id!r} was aborted during its hand-off to a prefill node")
@@ -224,11 +218,11 @@ class DecodeNode:
                 raise
             self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
             self.tiers.served(len(tokens), seq.num_computed, read_back.tokens)
-            entry.sampling = sampling
+            entry.params = params
             self.requests.move(entry, Status.RUNNING)
             return self.scheduler.submit(request_id, seq, params)
 
-    def _continue(self, request_id: str, prompt: list[int], params: SamplingParams, sampling: pb.SamplingParams | None,
+    def _continue(self, request_id: str, prompt: list[int], params: SamplingParams,
                   continuation: Continuation) -> RequestHandle:
         """Continue each sample of `continuation` from its prompt and output, computed here."""
         contexts = [self._check_prompt(prompt + list(s.generated)) for s in continuation.samples]
@@ -247,7 +241,7 @@ class DecodeNode:
                 self.tiers.served(len(seq.token_ids), seq.num_computed, read_back.tokens)
             self.tracer.event(request_id, "continued", samples=len(seqs),
                               context_tokens=len(contexts[0]), matched_tokens=seqs[0].num_computed)
-            entry.sampling = sampling
+            entry.params = params
             self.requests.move(entry, Status.RUNNING)
             return self.scheduler.submit_continuation(request_id, seqs, params, continuation)
 
@@ -291,7 +285,7 @@ class DecodeNode:
 
     # ---- load and abort ----
 
-    def load(self) -> pb.NodeLoad:
+    def load(self) -> NodeLoad:
         with self.engine.lock:
             counts = self.requests.counts()
             return node_load(self.engine, kv_pages_reserved=self.requests.reserved_pages(),

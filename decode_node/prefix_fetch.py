@@ -27,9 +27,11 @@ from common.engine.generation import RequestHandle
 from common.engine.sampling import SamplingParams
 from common.errors import FailedPrecondition
 from common.kv.segments import slot_range
+from common.node_messages import PrefixHolder, SendRequest, SendResult
 from common.peers.hand_off import hand_off
 from common.peers.kv_writer import KvWriter, check_send_request
 from common.serving.kv_tiers import KvTiers
+from common.serving.rpc_convert import to_proto
 from common.tracing import Tracer
 from common.transports.pieces import transfer_bytes
 from decode_node.config import DecodeNodeConfig
@@ -61,9 +63,8 @@ class PrefixFetch:
 
     # ---- the fetching node ----
 
-    def fetch(self, request_id: str, tokens: list[int], params: SamplingParams, sampling: pb.SamplingParams | None,
-              cancelled: Callable[[], bool], deadline: float | None, holder: pb.PrefixHolder,
-              cached: int) -> tuple[RequestHandle | None, bool]:
+    def fetch(self, request_id: str, tokens: list[int], params: SamplingParams, cancelled: Callable[[], bool],
+              deadline: float | None, holder: PrefixHolder, cached: int) -> tuple[RequestHandle | None, bool]:
         """Generate with the prompt's prefix written by `holder`, when it holds enough more than
         the `cached` tokens this node has: the handle (None when nothing was fetched: compute it),
         and whether the request was aborted meanwhile."""
@@ -73,7 +74,7 @@ class PrefixFetch:
                 or end - cached < self.config.min_remote_prefill_tokens):
             return None, False
         source = _Holder(self._stub(holder.address), holder.address)
-        return self.hand_off.generate_remote(request_id, tokens, params, sampling, cancelled, deadline,
+        return self.hand_off.generate_remote(request_id, tokens, params, cancelled, deadline,
                                              source=source, end=end)
 
     def _stub(self, address: str) -> duet_pb2_grpc.DecodeNodeStub:
@@ -85,7 +86,7 @@ class PrefixFetch:
 
     # ---- the holding node ----
 
-    def send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
+    def send(self, req: SendRequest, timeout_s: float | None) -> SendResult:
         """SendPrefix: write positions [kv_window_begin, kv_window_end) of the prompt, all held
         here, into `decode_address`'s reservation."""
         cfg = self.engine.model.config
@@ -112,9 +113,8 @@ class PrefixFetch:
         seconds = time.perf_counter() - started
         self.tracer.event(req.request_id, "prefix_sent", decode=req.decode_address, tokens=end - begin,
                           seconds=round(seconds, 6))
-        return pb.RemoteSendResponse(tokens_sent=end - begin, tokens_computed=0,
-                                     bytes_sent=transfer_bytes(self.engine.pool, end - begin, skips),
-                                     transfer_seconds=seconds)
+        return SendResult(tokens_sent=end - begin, tokens_computed=0,
+                          bytes_sent=transfer_bytes(self.engine.pool, end - begin, skips), transfer_seconds=seconds)
 
 
 class _Holder:
@@ -124,14 +124,14 @@ class _Holder:
         self._stub = stub
         self.address = address
 
-    def push(self, request: pb.RemoteSendRequest, still_wanted: Callable[[], bool] = lambda: True,
+    def push(self, request: SendRequest, still_wanted: Callable[[], bool] = lambda: True,
              lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
         timeout = FETCH_TIMEOUT_S if lease_deadline_unix is None else min(FETCH_TIMEOUT_S,
                                                                           lease_deadline_unix - time.time())
         if timeout <= 0 or not still_wanted():
             return None
         try:
-            self._stub.SendPrefix(request, timeout=timeout)
+            self._stub.SendPrefix(to_proto(request, pb.RemoteSendRequest), timeout=timeout)
             return self.address
         except grpc.RpcError as exc:
             log.info("prefix fetch failed: computing it here", extra={"fields": {

@@ -35,8 +35,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from common.engine.core import Engine, Sequence, locked
+from common.engine.sampling import SamplingParams
 from common.kv.segments import Segments
-from protos.duet.v1 import duet_pb2 as pb
 
 
 class Status(enum.Enum):
@@ -93,7 +93,7 @@ class LiveRequest:
     request_id: str
     status: Status = S.QUEUED
     reservation: Reservation | None = None
-    sampling: pb.SamplingParams | None = None  # as the client sent them: a migration hands them on
+    params: SamplingParams | None = None  # set once it runs: a migration hands them on
 
 
 class RequestTable:

@@ -16,7 +16,9 @@ from common.openai_http.gateway_routes import PREFILLER_HEADER
 from common.serving.grpc_status import answered_with_status, to_grpc
 from common.serving.node_rpcs import NodeRpcs
 from common.serving.prompts import prompt_token_ids
-from common.serving.rpc_convert import chunk_to_proto, continuation_from_proto, sampling_from_proto
+from common.node_messages import PrefixHolder, SendRequest
+from common.serving.rpc_convert import (chunk_to_proto, continuation_from_proto, from_proto, sampling_from_proto,
+                                        to_proto)
 from decode_node.node import DecodeNode
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -53,13 +55,15 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         self.node.tracer.event(request.request_id, "received", rpc="PrepareReceive",
                                prompt_tokens=len(request.token_ids))
         with self._answering(context, "PrepareReceive"):
-            return self.node.prepare_receive(request.request_id, request.token_ids, end,
-                                             cancelled=_cancelled(context), deadline=_deadline(context))
+            window = self.node.prepare_receive(request.request_id, request.token_ids, end,
+                                               cancelled=_cancelled(context), deadline=_deadline(context))
+        return to_proto(window, pb.PrepareReceiveResponse)
 
     def GetTransportInfo(self, request: pb.GetTransportInfoRequest, context) -> pb.TransportInfo:
         with self._answering(context, "GetTransportInfo"):
-            return self.node.transport_info(request.fingerprint, request.transport,
-                                            request.writer if request.HasField("writer") else None)
+            # The handshake is the wire's own: fingerprints and transport descriptors, as protobuf.
+            return self.node.writers.transport_info(request.fingerprint, request.transport,
+                                                    request.writer if request.HasField("writer") else None)
 
     def BeginTransfer(self, request: pb.BeginTransferRequest, context) -> pb.BeginTransferResponse:
         with self._answering(context, "BeginTransfer"):
@@ -78,7 +82,7 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         self.node.tracer.event(request.request_id, "received", rpc="StartGeneration")
         with self._answering(context, "StartGeneration"):
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
-            handle = self.node.start_generation(request.request_id, request.kv_window_begin, params, request.sampling,
+            handle = self.node.start_generation(request.request_id, request.kv_window_begin, params,
                                                 self._continuation(request, params))
         yield from self._stream("StartGeneration", handle, context, received)
 
@@ -90,11 +94,10 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             tokens = prompt_token_ids(request, self.node.tokenizer)
             handle = self.node.generate(rid, tokens, params, cancelled=_cancelled(context),
-                                        deadline=_deadline(context), sampling=request.sampling,
-                                        continuation=self._continuation(request, params),
+                                        deadline=_deadline(context), continuation=self._continuation(request, params),
                                         prefiller=dict(context.invocation_metadata()).get(PREFILLER_HEADER),
-                                        prefix_holder=request.prefix_holder if request.HasField("prefix_holder")
-                                        else None)
+                                        prefix_holder=from_proto(request.prefix_holder, PrefixHolder)
+                                        if request.HasField("prefix_holder") else None)
         yield from self._stream("Generate", handle, context, received)
 
     def _continuation(self, request: pb.GenerateRequest | pb.StartGenerationRequest,
@@ -105,13 +108,14 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
 
     def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
         with self._answering(context, "Migrate"):
-            return self.node.migrate(request.request_id, request.target_address)
+            moved = self.node.migrate(request.request_id, request.target_address)
+        return to_proto(moved, pb.MigrateResponse)
 
     def SendPrefix(self, request: pb.RemoteSendRequest, context) -> pb.RemoteSendResponse:
         with self._answering(context, "SendPrefix"):
-            response = self.node.send_prefix(request, context.time_remaining())
+            sent = self.node.send_prefix(from_proto(request, SendRequest), context.time_remaining())
         self.metrics.requests.labels("SendPrefix", "OK").inc()
-        return response
+        return to_proto(sent, pb.RemoteSendResponse)
 
     def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         with self._answering(context, "Drain"):

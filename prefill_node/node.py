@@ -1,4 +1,4 @@
-"""The prefill node's request logic, independent of gRPC."""
+"""The prefill node's request logic, independent of gRPC (common/node_messages.py in and out)."""
 from __future__ import annotations
 
 import time
@@ -9,6 +9,7 @@ from common.engine.core import Engine
 from common.errors import DeadlineExceeded, ErrorCode, InvalidArgument, RequestError
 from common.kv.segments import MetadataError, Segments, slot_range
 from common.model.decoder import DecoderModel
+from common.node_messages import NodeLoad, SendRequest, SendResult
 from common.peers.kv_writer import KvWriter, check_send_request
 from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import INCARNATION
@@ -21,7 +22,6 @@ from prefill_node.config import PrefillNodeConfig
 from prefill_node.faults import with_faults
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.scheduler import PrefillJob, PrefillScheduler
-from protos.duet.v1 import duet_pb2 as pb
 
 
 class PrefillNode:
@@ -44,12 +44,12 @@ class PrefillNode:
         self.tiers.close()
         self.writer.close()
 
-    def load(self) -> pb.NodeLoad:
+    def load(self) -> NodeLoad:
         with self.engine.lock:
             return node_load(self.engine, running_requests=self.scheduler.num_jobs(),
                              queued_prefill_tokens=self.scheduler.pending_tokens(), incarnation=INCARNATION)
 
-    def remote_send(self, req: pb.RemoteSendRequest, timeout_s: float | None) -> pb.RemoteSendResponse:
+    def remote_send(self, req: SendRequest, timeout_s: float | None) -> SendResult:
         """Prefill `token_ids[:end]` and push K/V of `[begin, end)` into the decode node's slots.
 
         The whole call (prefill and transfer) is bounded by --transfer-timeout-seconds, and by the
@@ -111,8 +111,5 @@ class PrefillNode:
         self.metrics.observe(end - cached, prefilled - started, done - started)
         nbytes = transfer_bytes(self.engine.pool, end - begin, skips)
         self.metrics.transfers.completed(nbytes, done - (job.first_posted or prefilled), len(dst))
-        return pb.RemoteSendResponse(
-            tokens_sent=end - begin, tokens_computed=end - cached,
-            bytes_sent=nbytes,
-            prefill_seconds=prefilled - started, transfer_seconds=done - started,
-        )
+        return SendResult(tokens_sent=end - begin, tokens_computed=end - cached, bytes_sent=nbytes,
+                          prefill_seconds=prefilled - started, transfer_seconds=done - started)

@@ -23,12 +23,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.errors import Unavailable
 from common.model.tokenizer import Tokenizer
+from common.node_messages import ReceiveWindow
 from common.peers.hand_off import hand_off, worth_remote
 from common.peers.membership import Member, Membership
 from common.peers.peer_status import STREAM_BROKEN
 from common.peers.prefill_pool import PrefillPool
 from common.peers.routing import Choice, NodeChooser
 from common.serving.prompts import prompt_token_ids
+from common.serving.rpc_convert import from_proto
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from router.continuation import Relayed
@@ -210,9 +212,10 @@ class _RpcSteps:
         self.decode_address = dn.address
         self._stub, self._rid, self._tokens, self._sampling = dn.stub, rid, tokens, sampling
 
-    def prepare(self) -> pb.PrepareReceiveResponse | None:
+    def prepare(self) -> ReceiveWindow | None:
         try:
-            return self._stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=self._rid, token_ids=self._tokens))
+            answer = self._stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=self._rid, token_ids=self._tokens))
+            return from_proto(answer, ReceiveWindow)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None  # the decode node's Generate queues instead of refusing

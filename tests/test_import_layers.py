@@ -48,3 +48,15 @@ def test_the_kv_cache_imports_only_itself():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("common", "decode_node",
                                                                                            "prefill_node", "router"):
                 assert node.module.startswith("common.kv"), f"{path.name} imports {node.module}"
+
+
+def test_the_node_classes_import_neither_grpc_nor_protos():
+    """The daemons' request logic takes and returns common/node_messages.py dataclasses; the
+    servicers convert (their parts that call other nodes speak gRPC, and are imported)."""
+    modules = [ROOT / "decode_node" / "node.py", ROOT / "prefill_node" / "node.py", ROOT / "common" / "node_messages.py"]
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] in ("grpc", "protos")], f"{path.name} imports {names}"
+    assert _loaded_after_importing(["common.node_messages"]) & {"grpc", "protos", "torch"} == set()

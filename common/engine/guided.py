@@ -46,7 +46,7 @@ class Grammar:
 
     source: str
     tokenizer: llguidance.LLTokenizer
-    kind: str  # the GuidedDecoding kind it came from, for messages
+    spec: GuidedSpec  # what it was compiled from: a migration hands it on
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self)
@@ -124,7 +124,7 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self._lltokenizer)
         if is_error:
             raise ValueError(f"guided.{kind} is not a usable grammar: {messages[0]}")
-        return Grammar(source, self._lltokenizer, kind)
+        return Grammar(source, self._lltokenizer, spec)
 
 
 def json_schema_grammar(schema: dict) -> str:

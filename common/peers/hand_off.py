@@ -12,9 +12,9 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Generic, Protocol, TypeVar
 
+from common.node_messages import ReceiveWindow, SendRequest
 from common.peers.prefill_pool import PrefillPool
 from common.tracing import Tracer
-from protos.duet.v1 import duet_pb2 as pb
 
 T = TypeVar("T", covariant=True)
 
@@ -32,7 +32,7 @@ def worth_remote(prompt_tokens: int, cached_tokens: int, min_remote_prefill_toke
 class KvSource(Protocol):
     """Who writes the KV into the reservation (`PrefillPool` is one)."""
 
-    def push(self, request: pb.RemoteSendRequest, still_wanted: Callable[[], bool] = ...,
+    def push(self, request: SendRequest, still_wanted: Callable[[], bool] = ...,
              lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
         """Have the window written; the address of the node that wrote it, None if none did."""
 
@@ -42,7 +42,7 @@ class HandOffSteps(Protocol, Generic[T]):
 
     decode_address: str
 
-    def prepare(self) -> pb.PrepareReceiveResponse | None:
+    def prepare(self) -> ReceiveWindow | None:
         """PrepareReceive; None when the decode node has no room now (its Generate queues
         instead of refusing)."""
 
@@ -66,7 +66,7 @@ def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], source:
     if p is None:
         return None
     if p.kv_window_end > p.kv_window_begin:
-        request = pb.RemoteSendRequest(
+        request = SendRequest(
             request_id=request_id, token_ids=tokens, kv_window_begin=p.kv_window_begin,
             kv_window_end=p.kv_window_end, kv_append_metadata=p.kv_append_metadata,
             decode_address=steps.decode_address, transfer_nonce=p.transfer_nonce)

@@ -24,6 +24,7 @@ from common.daemon_limits import check_prompt, check_request_id
 from common.errors import ErrorCode, InvalidArgument, RequestError, Unavailable
 from common.kv.pool import KVPool
 from common.kv.segments import MetadataError, Segments
+from common.node_messages import SendRequest
 from common.peers.decode_peers import DecodePeer, DecodePeers
 from common.serving.grpc_status import error_from_rpc
 from common.serving.incarnation import INCARNATION, writer_identity
@@ -38,7 +39,7 @@ from protos.duet.v1 import duet_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def check_send_request(req: pb.RemoteSendRequest, vocab_size: int, max_positions: int) -> list[int]:
+def check_send_request(req: SendRequest, vocab_size: int, max_positions: int) -> list[int]:
     """What a node is asked to write (RemoteSend, SendPrefix), checked before anyone is contacted:
     the request id, the prompt, the window `0 <= begin < end < len(token_ids)` (the decode node
     computes the last token itself) and the shape of `kv_append_metadata`, which is returned."""

@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 import grpc
 
+from common.node_messages import SendRequest
 from common.peers.kv_index import KvIndex
 from common.peers.kv_watch import KvWatch
 from common.peers.membership import Membership
 from common.peers.peer_status import REQUEST_FAULT
 from common.peers.routing import NodeChooser, RoutingPolicy
+from common.serving.rpc_convert import to_proto
 from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -41,13 +43,14 @@ class PrefillPool(Membership[duet_pb2_grpc.PrefillNodeStub]):
             self._watch.close()
         super().close()
 
-    def push(self, request: pb.RemoteSendRequest, still_wanted: Callable[[], bool] = lambda: True,
+    def push(self, request: SendRequest, still_wanted: Callable[[], bool] = lambda: True,
              lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
         """RemoteSend to the best-ranked healthy prefill node (`preferred` first, when it is a
         healthy member: a gateway that named one), falling through to the next on failure, within
         the reservation's lease when its deadline is given (else the pool's timeout). Returns the
         address that delivered the KV, or None if none did."""
         prompt = request.token_ids[: request.kv_window_end]  # what a prefill node computes
+        message = to_proto(request, pb.RemoteSendRequest)
         ranked = self.chooser.rank(self.healthy(), prompt)
         ranked.sort(key=lambda choice: choice.member.address != preferred)  # stable: the rest keep their order
         for choice in ranked:
@@ -60,7 +63,7 @@ class PrefillPool(Membership[duet_pb2_grpc.PrefillNodeStub]):
             member.in_flight += 1
             self.chooser.note_routed(member, prompt)
             try:
-                member.stub.RemoteSend(request, timeout=timeout)
+                member.stub.RemoteSend(message, timeout=timeout)
                 return member.address
             except grpc.RpcError as exc:
                 log.warning("remote prefill failed", extra={"fields": {

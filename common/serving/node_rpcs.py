@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from common.serving.kv_event_stream import KvEventStreams
+from common.serving.rpc_convert import to_proto
 from common.serving.trace_messages import trace_to_proto
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -19,7 +20,7 @@ class NodeRpcs:
         self.kv_events = KvEventStreams(node.engine.kv_events, draining or threading.Event())
 
     def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.NodeLoad:
-        return self.node.load()
+        return to_proto(self.node.load(), pb.NodeLoad)
 
     def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.Trace:
         return trace_to_proto(self.node.tracer.events(request.request_ids))

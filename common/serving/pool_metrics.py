@@ -8,7 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Gauge
 
 from common.engine.core import Engine
-from protos.duet.v1 import duet_pb2 as pb
+from common.node_messages import NodeLoad
 
 
 def read_locked(engine: Engine, read: Callable[[], float]) -> float:
@@ -72,9 +72,9 @@ class _Throttled:
             return self._value
 
 
-def node_load(engine: Engine, **requests: int) -> pb.NodeLoad:
+def node_load(engine: Engine, **requests: int) -> NodeLoad:
     """GetLoad's answer: the pool's pages read under the engine lock, plus the node's own
     request counts (`running_requests`, `queued_requests`, ... as NodeLoad names them)."""
     with engine.lock:
-        return pb.NodeLoad(kv_pages_total=engine.allocator.num_pages, kv_pages_free=engine.allocator.num_free,
-                           kv_pages_cached=engine.prefix_cache.num_cached_pages, **requests)
+        return NodeLoad(kv_pages_total=engine.allocator.num_pages, kv_pages_free=engine.allocator.num_free,
+                        kv_pages_cached=engine.prefix_cache.num_cached_pages, **requests)

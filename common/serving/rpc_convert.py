@@ -1,7 +1,9 @@
-"""Conversions between duet.v1 protobuf messages and engine types."""
+"""Conversions between duet.v1 protobuf messages and engine types (and `common.node_messages`)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
@@ -10,6 +12,23 @@ from common.engine.guided import GrammarCompiler, GuidedSpec
 from common.engine.sampling import PositionLogprobs, SamplingParams, TokenLogprob
 from common.errors import InvalidArgument
 from protos.duet.v1 import duet_pb2 as pb
+
+M = TypeVar("M")
+D = TypeVar("D")
+
+
+def to_proto(message: Any, proto_class: type[M]) -> M:
+    """A `common.node_messages` dataclass as the protobuf message with the same fields."""
+    return proto_class(**dataclasses.asdict(message))
+
+
+def from_proto(msg: Any, dataclass: type[D]) -> D:
+    """A protobuf message as the `common.node_messages` dataclass with the same fields (repeated
+    fields as lists)."""
+    def plain(value: Any) -> Any:
+        return value if isinstance(value, (str, bytes, int, float)) else list(value)
+
+    return dataclass(**{f.name: plain(getattr(msg, f.name)) for f in dataclasses.fields(dataclass)})
 
 
 def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int,
@@ -41,6 +60,21 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int,
     except ValueError as exc:
         raise InvalidArgument(f"sampling: {exc}") from None
     return params
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """The parameters as a client sends them (sampling_from_proto's inverse): a migration hands
+    a running request's on to its target."""
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        seed=params.seed, ignore_eos=params.ignore_eos, stop=params.stop, stop_token_ids=params.stop_token_ids,
+        n=params.n, logprobs=params.logprobs, top_logprobs=params.top_logprobs,
+        prompt_logprobs=params.prompt_logprobs, num_speculative_tokens=params.num_speculative_tokens)
+    if params.guided is not None:
+        spec = params.guided.spec
+        value = pb.GuidedDecoding.Choices(choices=spec.value) if spec.kind == "choice" else spec.value
+        msg.guided.CopyFrom(pb.GuidedDecoding(**{spec.kind: value}))
+    return msg
 
 
 def guided_from_proto(msg: pb.GuidedDecoding) -> GuidedSpec | None:
