@@ -1,6 +1,6 @@
 """Regenerate the committed Python stubs from the .proto files: `python -m protos.generate [OUT_DIR]`.
 
-Stubs are committed so installing needs no protoc step; tests/test_protos.py fails when they
+Stubs are committed so installing needs no protoc step; tests/unit/test_protos.py fails when they
 are stale. Run it as its own process: grpc_tools' protoc extension crashes when loaded into a
 process that already loaded NIXL (their bundled libraries clash).
 """

@@ -35,7 +35,7 @@ import grpc
 
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
-from scripts.local_daemons import decode_node
+from harness.local_daemons import decode_node
 
 PAGE_SIZE = 16
 VOCAB = (100, 40000)

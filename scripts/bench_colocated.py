@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from loadgen import BenchmarkConfig, run_benchmark
-from scripts.local_daemons import decode_node, prefill_node
+from harness.local_daemons import decode_node, prefill_node
 
 SETUPS = ("decode-alone", "prefill+decode", "pinned")
 

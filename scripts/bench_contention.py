@@ -37,7 +37,7 @@ from common.openai_http import served_model_name
 from loadgen import BenchmarkConfig, run_benchmark
 from scripts.cpu_quota import QuotaUnavailable, cpu_quota
 from scripts.export_hf_model import export_hf_model
-from scripts.local_daemons import ROOT, decode_node, free_port
+from harness.local_daemons import ROOT, decode_node, free_port
 from scripts.peer_aiperf import AiperfUnavailable, AiperfWorkload, run_aiperf
 from scripts.peer_report import ratio_text, value_text
 from scripts.peer_vllm import PeerUnavailable, ensure_installed, vllm_server

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from loadgen import BenchmarkConfig, format_table, run_benchmark, write_json
 from loadgen.runner import BenchmarkResult
-from scripts.local_daemons import decode_node
+from harness.local_daemons import decode_node
 
 SOURCES = ("pool", "disk", "computed")
 

@@ -1,6 +1,6 @@
 """Live migration's pause against re-prefilling the context, side by side in one run (#28 item 5).
 
-Two decode nodes started alike on loopback (scripts/local_daemons.py): source A and target B.
+Two decode nodes started alike on loopback (harness/local_daemons.py): source A and target B.
 For each context length L and each repeat, with a fresh random L-token prompt (so neither node's
 prefix cache holds it):
 
@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,8 +41,8 @@ import torch
 from common.serving.dtype_choice import resolve_dtype
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.bench_transfer import bytes_per_token, time_to_first_token
-from scripts.local_daemons import Daemon, decode_node
-from tests.helpers import greedy, random_ids
+from harness.local_daemons import Daemon, decode_node
+from harness.helpers import greedy, random_ids
 
 PAUSE_GOAL, GOAL_CONTEXT = 0.3, 4000
 HITS = "duet_prefix_cache_hit_tokens_total"

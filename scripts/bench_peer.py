@@ -50,7 +50,7 @@ from loadgen import BenchmarkConfig, run_benchmark
 from loadgen.runner import BenchmarkResult
 from scripts.bench_serving import colocated, disaggregated, mixed_prompts
 from scripts.export_hf_model import export_hf_model
-from scripts.local_daemons import ROOT, free_port
+from harness.local_daemons import ROOT, free_port
 from common.serving.dtype_choice import resolve_dtype
 from scripts.peer_aiperf import AiperfUnavailable, AiperfWorkload, run_aiperf
 from scripts.peer_report import FP32, PEER, PEER_DISAGG, PEER_DISAGG_BOUND, PEER_FP32, PEER_NGRAM, SPECULATIVE, \

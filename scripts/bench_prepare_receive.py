@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node
+from harness.local_daemons import decode_node
 
 
 def _p50_p99(seconds: list[float]) -> tuple[float, float]:

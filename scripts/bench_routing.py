@@ -40,7 +40,7 @@ from pathlib import Path
 
 from loadgen import BenchmarkConfig, format_table, run_benchmark, write_json
 from loadgen.runner import BenchmarkResult
-from scripts.local_daemons import decode_node, prefill_node, router
+from harness.local_daemons import decode_node, prefill_node, router
 
 DRAIN_SECONDS = 120  # a restart lets every running stream finish (a request here takes up to ~20 s)
 NODE_FLAGS = ("--threads", "1", "--transport", "tcp", "--drain-seconds", str(DRAIN_SECONDS))

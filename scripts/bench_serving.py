@@ -23,7 +23,7 @@ from common.model.default_model import default_model_path
 from common.model.tokenizer import load_tokenizer
 from loadgen import BenchmarkConfig, format_table, run_benchmark, write_json
 from loadgen.plot import write_plot
-from scripts.local_daemons import decode_node, prefill_node
+from harness.local_daemons import decode_node, prefill_node
 
 SLO_MS = {"ttft": 10_000.0, "tpot": 200.0}
 

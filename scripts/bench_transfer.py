@@ -33,7 +33,7 @@ within a round, so load from other processes hits them alike. Goals: NIXL path /
 least 0.8, NIXL path / memcpy at least 0.45 (contiguous), TCP / TCP socket at least 0.7.
 
 (B) Time to first token of a 1,000-token prompt, client side (``Generate`` called to first
-chunk, ``max_tokens=1``), with the real daemons on loopback (scripts/local_daemons.py): a
+chunk, ``max_tokens=1``), with the real daemons on loopback (harness/local_daemons.py): a
 prefill node plus a decode node with ``--prefill <it> --min-remote-prefill-tokens 1``
 (disaggregated) against a decode node without ``--prefill`` (single node), all with default
 settings otherwise. Prompts are random ids in [100, 40000), a different one for every call, so
@@ -84,7 +84,7 @@ from common.transports.fences import WriteFences
 from common.transports.nixl.initiator import NixlInitiator
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
-from scripts.local_daemons import Daemon, decode_node, prefill_node
+from harness.local_daemons import Daemon, decode_node, prefill_node
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4  # 46,080 in fp32

