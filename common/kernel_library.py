@@ -3,8 +3,29 @@ and cuda/extension.py: its `torch.ops` namespace, or why there is none (callers 
 torch fallback)."""
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def loaded_and_checked(namespace: str, what: str, load: Callable[[], None],
+                       smoke_test: Callable[[object], None]) -> dict[str, object]:
+    """`load` the library (build it if need be), then `smoke_test` its `torch.ops.<namespace>`:
+    {"ops": ...}, or {"reason": ...} when any step failed (a compiler, loader or smoke-test
+    failure: the caller falls back to torch, and the log says why)."""
+    try:
+        load()
+        ops = getattr(torch.ops, namespace)
+        smoke_test(ops)
+        return {"ops": ops}
+    except Exception as exc:
+        reason = f"{what} failed to build or run: {type(exc).__name__}: {exc}"
+        log.warning("%s; using the torch fallback", reason)
+        return {"reason": reason}
 
 
 class KernelLibrary:

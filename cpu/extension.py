@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -25,9 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common.kernel_library import KernelLibrary
-
-log = logging.getLogger(__name__)
+from common.kernel_library import KernelLibrary, loaded_and_checked
 
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in (
     "paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "prefill_attention.cpp", "intra_op_threads.cpp"))
@@ -160,18 +157,14 @@ def _load() -> dict[str, object]:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         return {"reason": f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"}
-    try:
+
+    def build_and_load() -> None:
         target = library_path(compiler)
         if not target.exists():
             _build(compiler, target)
         torch.ops.load_library(str(target))
-        ops = getattr(torch.ops, LIBRARY)
-        _smoke_test(ops)
-        return {"ops": ops}
-    except Exception as exc:  # a compiler, loader or smoke-test failure: fall back, but say why
-        reason = f"the CPU attention kernel failed to build or run: {type(exc).__name__}: {exc}"
-        log.warning("%s; using the torch fallback", reason)
-        return {"reason": reason}
+
+    return loaded_and_checked(LIBRARY, "the CPU kernels", build_and_load, _smoke_test)
 
 
 _library = KernelLibrary(_load)

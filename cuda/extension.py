@@ -9,7 +9,6 @@ returns None, :func:`unavailable_reason` says why, and callers use the torch fal
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -18,9 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.kernel_library import KernelLibrary
-
-log = logging.getLogger(__name__)
+from common.kernel_library import KernelLibrary, loaded_and_checked
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = (SOURCE_DIR / "paged_kv.cu", SOURCE_DIR / "paged_kv_ops.cpp")
@@ -103,21 +100,14 @@ def _smoke_test(ops: object) -> None:
 
 def _build() -> dict[str, object]:
     reason = _why_not_buildable()
-    if reason is None:
-        from torch.utils import cpp_extension
+    if reason is not None:
+        return {"reason": reason}
+    from torch.utils import cpp_extension
 
-        cpp_extension.CUDA_HOME = str(cuda_home())  # torch fixed its own guess at import (see cuda_home)
-        try:
-            cpp_extension.load(name=LIBRARY, sources=[str(s) for s in SOURCES],
-                               extra_include_paths=[str(SOURCE_DIR)], extra_cflags=["-O3"],
-                               extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
-            ops = getattr(torch.ops, LIBRARY)
-            _smoke_test(ops)
-            return {"ops": ops}
-        except Exception as exc:  # a compiler, loader or smoke-test failure: fall back, but say why
-            reason = f"the paged KV kernels failed to build or run: {type(exc).__name__}: {exc}"
-            log.warning("%s; using the torch fallback", reason)
-    return {"reason": reason}
+    cpp_extension.CUDA_HOME = str(cuda_home())  # torch fixed its own guess at import (see cuda_home)
+    return loaded_and_checked(LIBRARY, "the paged KV kernels", lambda: cpp_extension.load(
+        name=LIBRARY, sources=[str(s) for s in SOURCES], extra_include_paths=[str(SOURCE_DIR)],
+        extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False), _smoke_test)
 
 
 _library = KernelLibrary(_build)
