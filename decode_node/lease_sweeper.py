@@ -10,16 +10,16 @@ import time
 from common.tracing import Tracer
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import RequestTable, Status
-from decode_node.writers import Writers
+from decode_node.writer_gate import WriterGate
 
 log = logging.getLogger(__name__)
 
 
 class LeaseSweeper:
-    def __init__(self, requests: RequestTable, writers: Writers, metrics: DecodeMetrics, tracer: Tracer,
+    def __init__(self, requests: RequestTable, writer_gate: WriterGate, metrics: DecodeMetrics, tracer: Tracer,
                  sweep_seconds: float = 0.1) -> None:
         self._requests = requests
-        self._writers = writers
+        self._writer_gate = writer_gate
         self._metrics = metrics
         self._tracer = tracer
         self._sweep_seconds = sweep_seconds
@@ -34,8 +34,8 @@ class LeaseSweeper:
     def _loop(self) -> None:
         while not self._stopped.wait(self._sweep_seconds):
             expired = self._requests.expire_due(time.time())
-            self._writers.lift_gone_runs()
-            if unfenced := self._writers.fences.expire_due(time.monotonic()):
+            self._writer_gate.lift_gone_runs()
+            if unfenced := self._writer_gate.fences.expire_due(time.monotonic()):
                 log.warning("writers never reported back; their pages leave quarantine",
                             extra={"fields": {"fences": unfenced}})
                 self._metrics.quarantine_expiries.inc(unfenced)

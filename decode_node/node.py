@@ -2,9 +2,9 @@
 node when that is worth it, else prefilled here), its load, and Abort.
 
 The parts: `request_table.py` (every live request and its status), `admission.py` (may a
-request take pages now), `hand_off.py` (PrepareReceive, StartGeneration, and Generate's hand-off
-to a prefill node), `writers.py` (the transport handshake and the writers' BeginTransfer and
-CompleteTransfer), `migration.py` (moving a running request to another decode node),
+request take pages now), `reservations.py` (PrepareReceive, StartGeneration, and Generate's
+hand-off to a prefill node), `writer_gate.py` (the transport handshake and the writers'
+BeginTransfer and CompleteTransfer), `migration.py` (moving a running request to another decode node),
 `lease_sweeper.py`, and the engine's continuous-batching scheduler.
 """
 from __future__ import annotations
@@ -37,13 +37,13 @@ from common.transports import open_sender
 from decode_node.admission import Admission
 from decode_node.config import DecodeNodeConfig
 from decode_node.drain import Drain
-from decode_node.hand_off import HandOff
+from decode_node.reservations import Reservations
 from decode_node.lease_sweeper import LeaseSweeper
 from decode_node.metrics import DecodeMetrics
 from decode_node.migration import Migrations
 from decode_node.prefix_fetch import PrefixFetch
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Status
-from decode_node.writers import Writers
+from decode_node.writer_gate import WriterGate
 
 log = logging.getLogger(__name__)
 WAITING_STATUSES = (Status.QUEUED, *HOLDING_RESERVATION)  # what vllm:num_requests_waiting counts
@@ -62,7 +62,7 @@ class DecodeNode:
                                    speculative=config.speculative_config, on_finished=self._finished,
                                    adaptive_threads=config.threads is None)
         self.metrics = DecodeMetrics(self.engine, self.requests.reserved_pages,
-                                     quarantined_pages=lambda: self.writers.fences.quarantined_pages(),
+                                     quarantined_pages=lambda: self.writer_gate.fences.quarantined_pages(),
                                      compute_threads=self.scheduler.compute_threads,
                                      running=lambda: self.requests.counts()[Status.RUNNING],
                                      waiting=lambda: sum(self.requests.counts()[s] for s in WAITING_STATUSES))
@@ -75,19 +75,19 @@ class DecodeNode:
         self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls,
                                         policy=config.routing_policy)
         name = f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}"
-        self.writers = Writers(config, self.engine, self.requests, self.metrics, self.tracer, name=name)
+        self.writer_gate = WriterGate(config, self.engine, self.requests, self.metrics, self.tracer, name=name)
         # This node writes KV too: a running request's, into the decode node it migrates to.
         self.kv_writer = KvWriter(self.engine.pool, open_sender(config.transport, self.engine.pool, f"{name}-sender"),
                                   fingerprint_of(model, self.engine.pool), config.advertise_address, config.tls)
-        self.prefill_pool.on_load = lambda member: self.writers.seen_run(member.address, member.load.incarnation)
-        self.hand_off = HandOff(config, self.engine, self.scheduler, self.requests, self.admission,
+        self.prefill_pool.on_load = lambda member: self.writer_gate.seen_run(member.address, member.load.incarnation)
+        self.reservations = Reservations(config, self.engine, self.scheduler, self.requests, self.admission,
                                 self.prefill_pool, self.tiers, self.tracer, self._check_prompt)
         self.migrations = Migrations(config, self.engine, self.scheduler, self.requests, self.kv_writer,
                                      self.metrics, self.tracer)
-        self.prefix_fetch = PrefixFetch(config, self.engine, self.hand_off, self.tiers, self.kv_writer, self.tracer)
+        self.prefix_fetch = PrefixFetch(config, self.engine, self.reservations, self.tiers, self.kv_writer, self.tracer)
         self.draining = False  # new requests are refused: the running ones move to --drain-to nodes
         self.scheduler.start()
-        self._sweeper = LeaseSweeper(self.requests, self.writers, self.metrics, self.tracer)
+        self._sweeper = LeaseSweeper(self.requests, self.writer_gate, self.metrics, self.tracer)
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +101,7 @@ class DecodeNode:
         self.tiers.close()
         self.requests.end_all()
         self.kv_writer.close()
-        self.writers.close()
+        self.writer_gate.close()
 
     def _finished(self, request_id: str, reason: str) -> None:
         """The scheduler ended a request (called with the engine lock held)."""
@@ -117,26 +117,26 @@ class DecodeNode:
         except ValueError as exc:
             raise InvalidArgument(f"sampling: {exc}") from None
 
-    # ---- the three-call flow (decode_node/hand_off.py, decode_node/writers.py) ----
+    # ---- the three-call flow (decode_node/reservations.py, decode_node/writer_gate.py) ----
 
     def prepare_receive(self, request_id: str, token_ids: Seq[int], kv_window_end: int | None,
                         cancelled: Callable[[], bool] = lambda: False,
                         deadline: float | None = None) -> ReceiveWindow:
         self._check_accepting()
-        return self.hand_off.prepare_receive(request_id, token_ids, kv_window_end, cancelled, deadline)
+        return self.reservations.prepare_receive(request_id, token_ids, kv_window_end, cancelled, deadline)
 
     def begin_transfer(self, request_id: str, nonce: int, metadata: list[int], writer: int = 0) -> None:
-        self.writers.begin(request_id, nonce, metadata, writer)
+        self.writer_gate.begin(request_id, nonce, metadata, writer)
 
     def complete_transfer(self, request_id: str, nonce: int, abandoned: bool = False,
                           checksums: Seq[int] = ()) -> None:
-        self.writers.complete(request_id, nonce, abandoned, checksums)
+        self.writer_gate.complete(request_id, nonce, abandoned, checksums)
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams,
                          continuation: Continuation | None = None) -> RequestHandle:
         check_request_id(request_id)
         self._check_speculation(params)
-        return self.hand_off.start_generation(request_id, kv_window_begin, params, continuation)
+        return self.reservations.start_generation(request_id, kv_window_begin, params, continuation)
 
     def send_prefix(self, request: SendRequest, timeout_s: float | None) -> SendResult:
         return self.prefix_fetch.send(request, timeout_s)
@@ -201,7 +201,7 @@ class DecodeNode:
             if handle is not None:
                 return handle
         if worth_remote(len(tokens), cached, self.config.min_remote_prefill_tokens, scoring, self.prefill_pool):
-            handle, aborted = self.hand_off.generate_remote(request_id, tokens, params, cancelled, deadline,
+            handle, aborted = self.reservations.generate_remote(request_id, tokens, params, cancelled, deadline,
                                                             self._named_prefiller(prefiller))
             if aborted:
                 raise Aborted(f"request {request_id!r} was aborted during its hand-off to a prefill node")
@@ -210,7 +210,7 @@ class DecodeNode:
         if cancelled():
             raise Cancelled(f"request {request_id!r} was cancelled by the client")
         with self.engine.lock:
-            entry = self.hand_off.new_request(request_id)
+            entry = self.reservations.new_request(request_id)
             try:
                 seq = self._local_sequence(request_id, tokens, cancelled, deadline, use_prefix_cache=not scoring)
             except BaseException:
@@ -229,7 +229,7 @@ class DecodeNode:
         self._supersede(request_id)
         read_backs = [self.tiers.read_back(request_id, tokens[:-1]) for tokens in contexts]
         with self.engine.lock:
-            entry = self.hand_off.new_request(request_id)
+            entry = self.reservations.new_request(request_id)
             try:
                 self.admission.check_room()
             except BaseException:
@@ -267,11 +267,11 @@ class DecodeNode:
             self.admission.check_room()
             return self.engine.new_sequence(request_id, tokens, use_prefix_cache)
         n = len(tokens)
-        pages = self.hand_off.footprint(n)
+        pages = self.reservations.footprint(n)
         end = min(n, pages * self.engine.page_size)
         seq, _ = self.admission.admit(
             request_id, pages, n,
-            lambda: self.hand_off.admitted_sequence(request_id, tokens, end, receiving=False,
+            lambda: self.reservations.admitted_sequence(request_id, tokens, end, receiving=False,
                                                     use_prefix_cache=use_prefix_cache),
             cancelled, deadline)
         return seq
@@ -289,7 +289,7 @@ class DecodeNode:
         with self.engine.lock:
             counts = self.requests.counts()
             return node_load(self.engine, kv_pages_reserved=self.requests.reserved_pages(),
-                             kv_pages_quarantined=self.writers.fences.quarantined_pages(),
+                             kv_pages_quarantined=self.writer_gate.fences.quarantined_pages(),
                              running_requests=counts[Status.RUNNING], queued_requests=counts[Status.QUEUED],
                              queued_prefill_tokens=self.scheduler.pending_prefill_tokens(),
                              incarnation=INCARNATION)

@@ -28,14 +28,13 @@ from common.engine.sampling import SamplingParams
 from common.errors import FailedPrecondition
 from common.kv.segments import slot_range
 from common.node_messages import PrefixHolder, SendRequest, SendResult
-from common.peers.hand_off import hand_off
 from common.peers.kv_writer import KvWriter, check_send_request
 from common.serving.kv_tiers import KvTiers
 from common.serving.rpc_convert import to_proto
 from common.tracing import Tracer
 from common.transports.pieces import transfer_bytes
 from decode_node.config import DecodeNodeConfig
-from decode_node.hand_off import HandOff
+from decode_node.reservations import Reservations
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
@@ -44,11 +43,11 @@ FETCH_TIMEOUT_S = 10.0  # a holder slower than this is given up on: the prefix i
 
 
 class PrefixFetch:
-    def __init__(self, config: DecodeNodeConfig, engine: Engine, hand_off: HandOff, tiers: KvTiers,
+    def __init__(self, config: DecodeNodeConfig, engine: Engine, reservations: Reservations, tiers: KvTiers,
                  kv_writer: KvWriter, tracer: Tracer) -> None:
         self.config = config
         self.engine = engine
-        self.hand_off = hand_off
+        self.reservations = reservations
         self.tiers = tiers
         self.kv_writer = kv_writer
         self.tracer = tracer
@@ -74,7 +73,7 @@ class PrefixFetch:
                 or end - cached < self.config.min_remote_prefill_tokens):
             return None, False
         source = _Holder(self._stub(holder.address), holder.address)
-        return self.hand_off.generate_remote(request_id, tokens, params, cancelled, deadline,
+        return self.reservations.generate_remote(request_id, tokens, params, cancelled, deadline,
                                              source=source, end=end)
 
     def _stub(self, address: str) -> duet_pb2_grpc.DecodeNodeStub:

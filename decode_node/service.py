@@ -62,7 +62,7 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
     def GetTransportInfo(self, request: pb.GetTransportInfoRequest, context) -> pb.TransportInfo:
         with self._answering(context, "GetTransportInfo"):
             # The handshake is the wire's own: fingerprints and transport descriptors, as protobuf.
-            return self.node.writers.transport_info(request.fingerprint, request.transport,
+            return self.node.writer_gate.transport_info(request.fingerprint, request.transport,
                                                     request.writer if request.HasField("writer") else None)
 
     def BeginTransfer(self, request: pb.BeginTransferRequest, context) -> pb.BeginTransferResponse:

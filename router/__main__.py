@@ -28,7 +28,7 @@ from common.serving.daemon import GrpcDaemon, setup_logging
 from common.serving.daemon_config import add_tls_args
 from common.serving.tls import TlsFiles
 from protos.duet.v1 import duet_pb2_grpc
-from router.hand_off import Router
+from router.router import Router
 from router.service import RouterService
 
 log = logging.getLogger("router")

@@ -1,5 +1,5 @@
 """What the router has relayed of one request's stream, so that another decode node can continue
-it when the first one dies mid-stream (router/hand_off.py).
+it when the first one dies mid-stream (router/router.py).
 
 The continuing node gets the original prompt and a `pb.Continuation`: for each sample not yet
 finished, the tokens the client has already received. It recomputes their KV, replays them

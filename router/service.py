@@ -9,7 +9,7 @@ import grpc
 from common.serving.grpc_status import answered_with_status
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
-from router.hand_off import Router
+from router.router import Router
 
 
 class RouterService(duet_pb2_grpc.DecodeNodeServicer):

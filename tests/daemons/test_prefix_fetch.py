@@ -13,7 +13,7 @@ import pytest
 from common.peers.membership import Member
 from common.peers.routing import Choice
 from protos.duet.v1 import duet_pb2 as pb
-from router.hand_off import prefix_holder
+from router.router import prefix_holder
 from harness.helpers import Started, drain, greedy, random_ids, status_of, wait_clean
 
 FLAGS = ("--dtype", "float32", "--threads", "1", "--page-size", "16", "--transport", "tcp")

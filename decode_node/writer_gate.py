@@ -1,4 +1,4 @@
-"""The writers of this node's KV: the transport handshake (GetTransportInfo), and admitting each
+"""The gate the writers of this node's KV pass (`WriterGate`): the transport handshake (GetTransportInfo), and admitting each
 writer to its reservation's window (BeginTransfer) until it reports back (CompleteTransfer).
 
 Each writer announces its run (`pb.WriterIdentity`) in the handshake. A fence of a writer that
@@ -38,7 +38,7 @@ from protos.duet.v1 import duet_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-class Writers:
+class WriterGate:
     def __init__(self, config: DecodeNodeConfig, engine: Engine, requests: RequestTable, metrics: DecodeMetrics,
                  tracer: Tracer, name: str) -> None:
         self.engine = engine

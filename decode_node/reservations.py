@@ -1,4 +1,4 @@
-"""The decode node's half of the three-call hand-off: PrepareReceive reserves pages for a
+"""The decode node's half of the three-call hand-off (`Reservations`): PrepareReceive reserves pages for a
 prompt's window and says where its KV goes, StartGeneration claims the filled reservation into
 the scheduler; and, for Generate, the same three calls run in process with a prefill node
 (common/peers/hand_off.py, the policy the router runs too).
@@ -32,7 +32,7 @@ from decode_node.migration import sample_request_id
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
 
 
-class HandOff:
+class Reservations:
     def __init__(self, config: DecodeNodeConfig, engine: Engine, scheduler: Scheduler, requests: RequestTable,
                  admission: Admission, prefill_pool: PrefillPool, tiers: KvTiers, tracer: Tracer,
                  check_prompt: Callable[[Seq[int]], list[int]]) -> None:
@@ -182,7 +182,7 @@ class HandOff:
 class _InProcessSteps:
     """The hand-off's steps as the decode node runs them on itself."""
 
-    def __init__(self, node: HandOff, request_id: str, tokens: list[int], params: SamplingParams,
+    def __init__(self, node: Reservations, request_id: str, tokens: list[int], params: SamplingParams,
                  cancelled: Callable[[], bool], deadline: float | None, end: int | None, writer: str) -> None:
         """`end`: where the received window ends (None: where --pd-balance puts it)."""
         self.decode_address = node.config.advertise_address
