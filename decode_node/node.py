@@ -210,12 +210,8 @@ class DecodeNode:
         if cancelled():
             raise Cancelled(f"request {request_id!r} was cancelled by the client")
         with self.engine.lock:
-            entry = self.reservations.new_request(request_id)
-            try:
+            with self.reservations.admitting(request_id) as entry:
                 seq = self._local_sequence(request_id, tokens, cancelled, deadline, use_prefix_cache=not scoring)
-            except BaseException:
-                self.requests.move(entry, Status.ABORTED)
-                raise
             self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
             self.tiers.served(len(tokens), seq.num_computed, read_back.tokens)
             entry.params = params
@@ -229,12 +225,8 @@ class DecodeNode:
         self._supersede(request_id)
         read_backs = [self.tiers.read_back(request_id, tokens[:-1]) for tokens in contexts]
         with self.engine.lock:
-            entry = self.reservations.new_request(request_id)
-            try:
+            with self.reservations.admitting(request_id) as entry:
                 self.admission.check_room()
-            except BaseException:
-                self.requests.move(entry, Status.ABORTED)
-                raise
             seqs = [self.engine.new_sequence(f"{request_id}#{s.index}", tokens)
                     for s, tokens in zip(continuation.samples, contexts)]
             for seq, read_back in zip(seqs, read_backs):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 
 from common.daemon_limits import check_request_id
@@ -46,12 +47,19 @@ class Reservations:
         self.tracer = tracer
         self._check_prompt = check_prompt
 
-    def new_request(self, request_id: str) -> LiveRequest:
-        """A QUEUED entry for `request_id`, unless one is live (call with the engine lock held,
-        around what admits it, so no one else takes the id meanwhile)."""
+    @contextmanager
+    def admitting(self, request_id: str) -> Iterator[LiveRequest]:
+        """A QUEUED entry for `request_id` (ALREADY_EXISTS while one is live) for the body to
+        admit; if the body raises, the entry ends ABORTED. Call with the engine lock held, so no
+        one else takes the id meanwhile."""
         if self.requests.get(request_id) is not None:
             raise AlreadyExists(f"request {request_id!r} is still live; use a new request_id or Abort it first")
-        return self.requests.add(request_id)
+        entry = self.requests.add(request_id)
+        try:
+            yield entry
+        except BaseException:
+            self.requests.move(entry, Status.ABORTED)
+            raise
 
     def footprint(self, positions: int) -> int:
         """Pages a sequence of `positions` positions occupies at most (a sliding window caps it)."""
@@ -92,15 +100,11 @@ class Reservations:
                                   f"{n}-token prompt (the decode node computes at least the last token)")
         read_back = self.tiers.read_back(request_id, tokens[:resolved], deadline)
         with self.engine.lock:
-            entry = self.new_request(request_id)
-            try:
+            with self.admitting(request_id) as entry:
                 seq, begin = self.admission.admit(
                     request_id, self.footprint(resolved), n,
                     lambda: self.admitted_sequence(request_id, tokens, resolved, receiving=True),
                     cancelled, deadline)
-            except BaseException:
-                self.requests.move(entry, Status.ABORTED)
-                raise
             matched = seq.num_computed
             segments = Segments.of_slots(slot_range(seq.pages, self.engine.page_size, begin, max(begin, resolved)))
             lease_deadline = time.time() + self.config.lease_seconds
