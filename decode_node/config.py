@@ -112,8 +112,8 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
     p.add_argument("--verify-kv", choices=ON_OFF, default=d.verify_kv,
                    help="check the KV a writer pushed against its checksums (xxh3-64 per layer, K and V) before "
                    "the request may generate; a mismatch discards it (DATA_LOSS to the writer, which retries or "
-                   "falls back to local prefill). Measured on 2 cores: 1-3 ms to check a 1000-token bf16 window, within "
-                   "noise of its ~1.5 s disaggregated TTFT (scripts/bench_transfer.py) (default %(default)s)")
+                   "falls back to local prefill); the check costs little beside a hand-off's TTFT "
+                   "(docs/bench/README.md) (default %(default)s)")
     p.add_argument("--max-requests", type=int, default=d.max_requests,
                    help="requests held at once: admitted (generating, queued in the scheduler or holding a "
                    "reservation) plus, with --admission queue, waiting for admission; beyond it new ones get "

@@ -3,11 +3,11 @@
 The engine's parallel regions are OpenMP teams whose threads spin at every barrier: on an idle
 host the fastest way to run many small regions (a decode step of the default model is ~300 of
 them). When another process takes one of the team's cores, the thread that shares it runs only
-in the time slices the kernel leaves it, and every region waits for it. Measured on 2 cores, a
-decode step at batch 4 (bf16): 16 ms idle; with one busy-loop neighbour a p50 of 38 ms and a
-p90 of 160 ms on two threads, against 28 ms on one. Passive waits (OMP_WAIT_POLICY=passive)
-survive the neighbour as well but cost 15% and more on an idle host, where every region then
-wakes its threads from a futex sleep.
+in the time slices the kernel leaves it, and every region waits for it: beside one busy-loop
+neighbour a two-thread decode step's p90 grows several-fold, past a one-thread step's. Passive
+waits (OMP_WAIT_POLICY=passive) survive the neighbour as well but slow every step on an idle
+host, where every region then wakes its threads from a futex sleep (docs/bench/README.md,
+"Figures behind the code", has the measurements).
 
 So the team keeps spinning, and its size follows the cores the engine actually gets, between one
 thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CPU quota):
@@ -16,14 +16,13 @@ thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CP
   by the hypervisor (steal time, /proc/stat, counted for the share of the window the engine
   computed), for more than STOLEN_SHARE of their time: a neighbour holds one of the cores, in
   this machine or beside it. A virtual machine whose host runs short of cores steals its vCPUs'
-  time, which the guest's run queues never show; measured on this project's 2-vCPU VM under
-  aiperf, a third of the time, and two threads then did the same work in 1.5x the CPU time of one
-  at two thirds of its speed;
+  time, which the guest's run queues never show, and two threads then do the same work in more
+  CPU time than one, and slower;
 - one thread more when the CPUs the engine may run on were idle for at least SPARE_CORES of a
   core over the window (/proc/stat) and no thread was dropped in the last HOLD_S: the core is back.
   A thread taken back must pay: if steps of the same size (tokens) are not at least
   1 / TAKE_BACK_GAIN times as fast as just before, it is dropped again. That is how a heavy
-  client on the same host shows (aiperf, measured): it takes the CPU between the engine's steps
+  client on the same host shows (aiperf): it takes the CPU between the engine's steps
   more than inside them, so the team's threads wait little, yet two threads step no faster than
   one. A thread dropped again right after it was taken back (a neighbour that comes and goes)
   doubles that hold, up to MAX_HOLD_S; one that stays resets it.

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from cpu import extension as cpu_extension
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 K/V are widened as read; sums in float32
-KERNEL_MAX_QUERIES = 2  # longer prefill chunks go to SDPA: 1.7x faster at 4 queries, 4x at 64 (docs/bench/README.md)
+KERNEL_MAX_QUERIES = 2  # longer prefill chunks go to SDPA, faster from 4 queries on (docs/bench/README.md)
 PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # what cpu/prefill_attention.cpp is compiled for
 
 

@@ -42,6 +42,6 @@ def resolve_dtype(device: str, dtype: str) -> str:
 
 def emulated_bf16(device: str, dtype: str) -> bool:
     """Whether the concrete `dtype` is bfloat16 on a CPU that only emulates it (asked for
-    explicitly: `auto` never picks it there). Measured on an AVX2 CPU (`scripts.bench_engine
-    --quick`): prefill 6x and batch-8 decode 2x slower than float32. The daemons warn at start."""
+    explicitly: `auto` never picks it there): slower than float32 there, several-fold in prefill
+    (docs/bench/README.md). The daemons warn at start."""
     return device == "cpu" and dtype == "bfloat16" and not native_cpu_bf16()

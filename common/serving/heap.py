@@ -4,14 +4,14 @@ A forward allocates and frees megabytes of activations per layer (a 1000-token p
 output alone is 6 MB in bf16). glibc serves blocks that large with mmap, or trims them off the
 top of the heap when freed, and adapts both thresholds to what the process freed before: a
 prefill node's allocation pattern kept them low, so every prefill faulted its buffers in again,
-zeroing each page (10,500 minor faults per 1000-token prefill, 2.3x a decode node's), and its
-forward ran 7% slower than the same forward in a fresh process. Fixed thresholds above any
+zeroing each page, and its forward ran slower than the same forward in a fresh process
+(docs/bench/README.md, "Figures behind the code"). Fixed thresholds above any
 activation keep the buffers mapped: the heap holds about one forward's peak, once.
 
 Thresholds alone are not enough where a thread other than the main one computes: glibc gives it
 an arena of 64 MB heaps, and a forward that outgrows one (a fp32 prefill does) maps a second
-heap and unmaps it again when its buffers are freed, once per layer (21,000 minor faults per
-1000-token fp32 prefill on an AVX2 machine). One arena, the main heap, which grows without such
+heap and unmaps it again when its buffers are freed, once per layer. One arena, the main heap,
+which grows without such
 a limit, holds them all; the daemons' threads rarely allocate at once.
 """
 from __future__ import annotations

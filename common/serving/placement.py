@@ -19,8 +19,8 @@ defaults avoid that without a core split:
 Only the engine's thread computes in parallel. libgomp keeps a pool of worker threads for every
 thread that ever ran a parallel region, for as long as that thread lives, and once its pools hold
 more threads than the process has CPUs it stops spinning at barriers: every parallel region then
-wakes its workers from a futex sleep. On 2 cores that took a colocated node's inter-token latency
-from 21 to 34 ms (make bench-peer's short chat); on a bigger host each gRPC or transport thread
+wakes its workers from a futex sleep, which on 2 cores made a colocated node's inter-token latency
+half as long again (docs/bench/README.md); on a bigger host each gRPC or transport thread
 that gathers KV for a checksum or a send would add a pool of one worker per core. So:
 - a daemon builds its node (weights converted and packed, KV pool filled: parallel work) in a
   thread that has exited when the build returns, taking its pool with it (`in_passing_thread`);

@@ -8,7 +8,7 @@ it moved: all but its first `skips[layer]`.
 
 On a CPU pool the hash streams over the window's runs of consecutive slots where they lie
 (a run of one (layer, K|V) is one contiguous byte range): gathering them into a fresh tensor
-first cost 7-73 ms for a 1000-token bf16 window on one thread, where hashing takes 1-3 ms, and
+first cost many times the hashing itself (docs/bench/README.md, "Figures behind the code"), and
 the receiver's check is on the way to the request's first token. XXH3 fed in pieces gives the
 digest of their concatenation, so a CUDA pool, gathered on the device and hashed in one piece,
 agrees with a CPU peer."""

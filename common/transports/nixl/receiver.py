@@ -7,9 +7,9 @@ admitted writer's window is fenced at once and stays fenced until the writer rep
 data while the target makes progress, and NIXL's progress thread is off on small machines, so a
 thread polls: briskly while transfers are due, lazily otherwise. Where every transport UCX_TLS
 allows puts bytes without the target (shared memory through CMA/knem/xpmem, RDMA, CUDA IPC),
-polling briskly only takes CPU from the computing processes on the host: 2000 wake-ups a second
-cost the decode node ~90 ms of CPU per 1000-token hand-off, taken from the prefill node's
-forward on the same cores. There the poller stays lazy (it still answers connection set-up).
+polling briskly only takes CPU from the computing processes on the host (the prefill node's
+forward, on the same cores: docs/bench/README.md, "Figures behind the code"). There the poller
+stays lazy (it still answers connection set-up).
 """
 from __future__ import annotations
 
