@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -42,17 +43,16 @@ log = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 10.0  # a holder slower than this is given up on: the prefix is computed here
 
 
+@dataclass(eq=False)
 class PrefixFetch:
-    def __init__(self, config: DecodeNodeConfig, engine: Engine, reservations: Reservations, tiers: KvTiers,
-                 kv_writer: KvWriter, tracer: Tracer) -> None:
-        self.config = config
-        self.engine = engine
-        self.reservations = reservations
-        self.tiers = tiers
-        self.kv_writer = kv_writer
-        self.tracer = tracer
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+    config: DecodeNodeConfig
+    engine: Engine
+    reservations: Reservations
+    tiers: KvTiers
+    kv_writer: KvWriter
+    tracer: Tracer
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _channels: dict[str, grpc.Channel] = field(default_factory=dict, init=False)  # by holder address
 
     def close(self) -> None:
         with self._lock:

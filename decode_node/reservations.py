@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 
@@ -33,19 +34,17 @@ from decode_node.migration import sample_request_id
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
 
 
+@dataclass(eq=False)
 class Reservations:
-    def __init__(self, config: DecodeNodeConfig, engine: Engine, scheduler: Scheduler, requests: RequestTable,
-                 admission: Admission, prefill_pool: PrefillPool, tiers: KvTiers, tracer: Tracer,
-                 check_prompt: Callable[[Seq[int]], list[int]]) -> None:
-        self.config = config
-        self.engine = engine
-        self.scheduler = scheduler
-        self.requests = requests
-        self.admission = admission
-        self.prefill_pool = prefill_pool
-        self.tiers = tiers
-        self.tracer = tracer
-        self._check_prompt = check_prompt
+    config: DecodeNodeConfig
+    engine: Engine
+    scheduler: Scheduler
+    requests: RequestTable
+    admission: Admission
+    prefill_pool: PrefillPool
+    tiers: KvTiers
+    tracer: Tracer
+    check_prompt: Callable[[Seq[int]], list[int]]
 
     @contextmanager
     def admitting(self, request_id: str) -> Iterator[LiveRequest]:
@@ -91,7 +90,7 @@ class Reservations:
         `writer`: where the window's KV will come from, as duet_prompt_tokens counts it (once the
         reservation is claimed: a hand-off that fails counts nothing)."""
         check_request_id(request_id)
-        tokens = self._check_prompt(token_ids)
+        tokens = self.check_prompt(token_ids)
         n = len(tokens)
         end = -1 if kv_window_end is None else kv_window_end
         resolved = end + n if end < 0 else end
