@@ -171,12 +171,12 @@ class Sampler:
         """The random stream's state, once it was drawn from (None before: the seed says it all)."""
         return None if self.generator is None else self.generator.get_state()
 
-    def replay(self, tokens: list[int], vocab_size: int, device: torch.device,
+    def replay(self, tokens: list[int], device: torch.device,
                random_state: torch.Tensor | None = None) -> None:
         """Advance as if `tokens` had been drawn here: the grammar accepts them, and the random
-        stream is set to `random_state`, or else skips one draw per token (every draw over the
-        vocabulary takes the same amount of it, whatever the probabilities: about 1.5 ms each for
-        a 49k vocabulary on one core), so the next draw is the one that would follow."""
+        stream is set to `random_state`, or else skips one draw per token (every draw takes one
+        uniform number from it, whatever the probabilities), so the next draw is the one that
+        would follow."""
         if self.matcher is not None:
             for token in tokens:
                 self.matcher.accept(token)
@@ -184,9 +184,8 @@ class Sampler:
             self._generator(device).set_state(random_state)
         elif self.params.temperature != 0.0 and tokens:
             generator = self._generator(device)
-            uniform = torch.full((vocab_size,), 1.0 / vocab_size, device=device)
             for _ in tokens:
-                torch.multinomial(uniform, 1, generator=generator)
+                _uniform(generator, device)
 
     def _sample(self, logits: torch.Tensor) -> int:
         """A random draw from temperature-scaled `logits` after the top-k and top-p cuts."""
@@ -201,4 +200,20 @@ class Sampler:
             drop = probs.cumsum(-1) - probs >= p.top_p
             logits = logits.scatter(0, order[drop], float("-inf"))
         probs = logits.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)))
+        return draw_from(probs, self._generator(probs.device))
+
+
+def draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token drawn from `probs` (`[vocab]`) with one uniform number u: the first whose cumulative
+    probability (summed in float64) exceeds u times the total, so a token of probability 0 is never
+    drawn. The same distribution as torch.multinomial, which on a CPU spends far longer per draw
+    over a large vocabulary (docs/bench/README.md, "Figures behind the code"): with n samples
+    that was a sizeable share of each decode step."""
+    cumulative = probs.to(torch.float64).cumsum(0)
+    u = _uniform(generator, probs.device)
+    return min(int(torch.searchsorted(cumulative, u * cumulative[-1], right=True)), probs.numel() - 1)
+
+
+def _uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """One number in [0, 1) from `generator`: what each draw takes of its stream."""
+    return torch.rand(1, generator=generator, dtype=torch.float64, device=device)
