@@ -107,14 +107,14 @@ class Sample:
         group = self.group
         return self.seq.num_pending == 1 and bool(self.seq.pages) and not group.unforked and not group.scoring_prompt
 
-    def catch_up(self, tokens: list[int], device: torch.device,
+    def catch_up(self, tokens: list[int], vocab_size: int, device: torch.device,
                  random_state: torch.Tensor | None = None) -> None:
         """Stand as if this sample had drawn `tokens` itself (they were drawn on another node; its
         sequence holds them already): they pass the detokenizer and stop strings (their text was
         sent there), the grammar, and the random stream (set to `random_state` when given)."""
         for token in tokens:
             self.detok.push(token)
-        self.sampler.replay(tokens, device, random_state)
+        self.sampler.replay(tokens, vocab_size, device, random_state)
         self.num_generated += len(tokens)
 
     def state(self) -> SampleState:

@@ -171,12 +171,12 @@ class Sampler:
         """The random stream's state, once it was drawn from (None before: the seed says it all)."""
         return None if self.generator is None else self.generator.get_state()
 
-    def replay(self, tokens: list[int], device: torch.device,
+    def replay(self, tokens: list[int], vocab_size: int, device: torch.device,
                random_state: torch.Tensor | None = None) -> None:
         """Advance as if `tokens` had been drawn here: the grammar accepts them, and the random
         stream is set to `random_state`, or else skips one draw per token (every draw takes one
-        uniform number from it, whatever the probabilities), so the next draw is the one that
-        would follow."""
+        uniform number per vocabulary entry, whatever the probabilities), so the next draw is the
+        one that would follow."""
         if self.matcher is not None:
             for token in tokens:
                 self.matcher.accept(token)
@@ -185,7 +185,7 @@ class Sampler:
         elif self.params.temperature != 0.0 and tokens:
             generator = self._generator(device)
             for _ in tokens:
-                _uniform(generator, device)
+                torch.empty(vocab_size, device=device).uniform_(generator=generator)
 
     def _sample(self, logits: torch.Tensor) -> int:
         """A random draw from temperature-scaled `logits` after the top-k and top-p cuts."""
@@ -204,16 +204,14 @@ class Sampler:
 
 
 def draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """A token drawn from `probs` (`[vocab]`) with one uniform number u: the first whose cumulative
-    probability (summed in float64) exceeds u times the total, so a token of probability 0 is never
-    drawn. The same distribution as torch.multinomial, which on a CPU spends far longer per draw
-    over a large vocabulary (docs/bench/README.md, "Figures behind the code"): with n samples
-    that was a sizeable share of each decode step."""
-    cumulative = probs.to(torch.float64).cumsum(0)
-    u = _uniform(generator, probs.device)
-    return min(int(torch.searchsorted(cumulative, u * cumulative[-1], right=True)), probs.numel() - 1)
-
-
-def _uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """One number in [0, 1) from `generator`: what each draw takes of its stream."""
-    return torch.rand(1, generator=generator, dtype=torch.float64, device=device)
+    """A token drawn from `probs` (`[vocab]`) by an exponential race: every token gets a number
+    q = -log(u) of its own (u uniform, so q ~ Exp(1)), and the largest p / q wins, which is
+    Categorical(p) exactly (torch.multinomial draws one sample the same way). Each token's chance
+    rests on its own probability only, so the float noise by which two nodes' logits may differ
+    (a context recomputed on another node) moves no other token's: a continued seeded stream
+    draws what the first would have, where an inverse-CDF draw, which reads the running sum of
+    every probability, flips on noise among tail tokens. The numbers come from uniform_ rather
+    than exponential_, the same race at a fraction of the cost on a CPU (docs/bench/README.md,
+    "Figures behind the code")."""
+    q = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
+    return int((probs / q).argmax())

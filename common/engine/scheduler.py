@@ -113,7 +113,8 @@ class Scheduler(EngineLoop):
         samples = []
         for seq, state in zip(seqs, continuation.samples):
             r = self._sample(group, state.index, seq, state.seed)
-            r.catch_up(list(state.generated), self.engine.pool.data.device, state.random_state)
+            r.catch_up(list(state.generated), self.engine.model.config.vocab_size, self.engine.pool.data.device,
+                       state.random_state)
             samples.append(r)
         return self._start(samples, min(seq.num_computed for seq in seqs))
 
@@ -171,7 +172,7 @@ class Scheduler(EngineLoop):
         if r is None:
             return
         r.seq.token_ids.extend(chunk.token_ids)
-        r.catch_up(chunk.token_ids, self.engine.pool.data.device)
+        r.catch_up(chunk.token_ids, self.engine.model.config.vocab_size, self.engine.pool.data.device)
         if chunk.finish_reason is not None:
             detached.samples.remove(r)
             self.engine.release(r.seq, cache=False)

@@ -26,12 +26,12 @@ def test_a_replayed_random_stream_draws_what_the_first_would_have(params):
     first = Sampler(params)
     drawn = draws(first, logits)
     from_seed = Sampler(params)
-    from_seed.replay(drawn[:8], CPU)
+    from_seed.replay(drawn[:8], VOCAB, CPU)
     assert draws(from_seed, logits[8:]) == drawn[8:]
     interrupted = Sampler(params)
     draws(interrupted, logits[:8])
     from_state = Sampler(params)
-    from_state.replay(drawn[:8], CPU, interrupted.random_state())
+    from_state.replay(drawn[:8], VOCAB, CPU, interrupted.random_state())
     assert draws(from_state, logits[8:]) == drawn[8:]
     assert draws(Sampler(params), logits[8:]) != drawn[8:]  # without the replay, the stream starts over
 
