@@ -28,13 +28,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 from common.engine.core import Engine, locked
 from common.errors import Aborted, Cancelled, DeadlineExceeded, ResourceExhausted
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
+from decode_node.request_table import LiveRequest
 
 T = TypeVar("T")
 
@@ -50,12 +50,6 @@ class NotAdmitted(Exception):
         self.reason = reason
 
 
-@dataclass
-class _Waiter:
-    request_id: str
-    aborted: bool = False
-
-
 class Admission:
     """`running` counts admitted requests; `admitted_tokens` sums their prompt and generated
     tokens. Guarded by the engine lock, like the pages it hands out."""
@@ -69,7 +63,7 @@ class Admission:
         self._running = running
         self._admitted_tokens = admitted_tokens
         self._metrics = metrics
-        self._waiters: deque[_Waiter] = deque()
+        self._waiters: deque[LiveRequest] = deque()
 
     def _kept_pages(self) -> int:
         return int(self._config.admission_watermark * self._engine.allocator.num_pages)
@@ -120,13 +114,14 @@ class Admission:
                          "allows all admitted requests together, so it can never run here: send a shorter prompt")
 
     @locked
-    def admit(self, request_id: str, window_pages: int, tokens: int, attempt: Callable[[], T],
+    def admit(self, entry: LiveRequest, window_pages: int, tokens: int, attempt: Callable[[], T],
               cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None) -> T:
         """Run `attempt` (which takes the request's pages, or raises NotAdmitted after undoing
         what it did) once the request may start, and return its result. `window_pages` is how
         many pages the request occupies in all (its cached prefix included), `tokens` its
         prompt length. Rejecting: a NotAdmitted becomes RESOURCE_EXHAUSTED. Queuing: wait,
-        FIFO, until admitted, `cancelled()`, the `deadline` (time.monotonic()) or an Abort."""
+        FIFO, until admitted, `cancelled()`, the `deadline` (time.monotonic()) or an Abort of
+        `entry` (the request, QUEUED meanwhile)."""
         if self.queueing:
             self._check_possible(window_pages, tokens)
         self.check_room()
@@ -141,9 +136,9 @@ class Admission:
         if len(self._waiters) >= self._config.max_queued_requests:
             self._refuse("queue_full", f"{len(self._waiters)} requests already wait for admission here "
                          "(--max-queued-requests); retry later")
-        return self._wait(_Waiter(request_id), attempt, why, cancelled, deadline)
+        return self._wait(entry, attempt, why, cancelled, deadline)
 
-    def _wait(self, me: _Waiter, attempt: Callable[[], T], why: str, cancelled: Callable[[], bool],
+    def _wait(self, me: LiveRequest, attempt: Callable[[], T], why: str, cancelled: Callable[[], bool],
               deadline: float | None) -> T:
         """Queue `me` and wait for its turn; `why` says what kept it out so far."""
         self._waiters.append(me)
@@ -153,7 +148,7 @@ class Admission:
             while True:  # `admit` has just tried, or others are ahead: wait first
                 left = None if deadline is None else deadline - time.monotonic()
                 self._engine.room_made.wait(POLL_SECONDS if left is None else max(0.0, min(POLL_SECONDS, left)))
-                if me.aborted:
+                if me.abort_requested:
                     raise Aborted(f"request {me.request_id!r} was aborted while waiting for admission")
                 if cancelled():
                     raise Cancelled(f"request {me.request_id!r} was cancelled by the client while waiting for "
@@ -174,11 +169,7 @@ class Admission:
             self._engine.room_made.notify_all()  # the next in line may fit now
 
     @locked
-    def abort(self, request_id: str) -> bool:
-        """Make a waiting request give up with ABORTED; False if none waits under that id."""
-        for w in self._waiters:
-            if w.request_id == request_id:
-                w.aborted = True
-                self._engine.room_made.notify_all()
-                return True
-        return False
+    def abort(self, entry: LiveRequest) -> None:
+        """Make `entry`, waiting for admission, give up with ABORTED."""
+        entry.abort_requested = True
+        self._engine.room_made.notify_all()

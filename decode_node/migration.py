@@ -18,9 +18,11 @@ cancelled client) during a migration ends the request on both nodes.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,14 +30,17 @@ import grpc
 from common.daemon_limits import check_request_id
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine, Sequence
-from common.engine.generation import Chunk, Continuation
+from common.engine.generation import Chunk, Continuation, FinishReason
 from common.engine.scheduler import Detached, Scheduler
-from common.errors import ErrorCode, FailedPrecondition, InvalidArgument, NotFound, RequestError, Unavailable
+from common.errors import (ErrorCode, FailedPrecondition, InvalidArgument, NotFound, RequestError, ResourceExhausted,
+                           Unavailable)
 from common.kv.segments import slot_range
-from common.node_messages import MigrateResult
+from common.node_messages import MigrateResult, ReceiveWindow, SendRequest
 from common.peers.decode_peers import DecodePeer
+from common.peers.hand_off import fill
 from common.peers.kv_writer import KvWriter
 from common.peers.peer_status import STALLED, STREAM_BROKEN
+from common.peers.remote_decode import RemoteDecodeSteps
 from common.serving.grpc_status import error_from_rpc, from_grpc
 from common.serving.incarnation import INCARNATION
 from common.serving.rpc_convert import chunk_from_proto, continuation_to_proto, sampling_to_proto
@@ -51,6 +56,14 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S = 5.0  # a target that cannot reserve by then is full: the request decodes on here
 
 
+class Outcome(enum.StrEnum):
+    """How a migration ended: `duet_migrations_total{outcome}`."""
+
+    MIGRATED = "migrated"  # the target generates it, this node relays its stream
+    FAILED = "failed"  # the target did not take it: it decoded on here (or ended with the target's verdict)
+    RESUMED = "resumed"  # the target died after taking it: it continued here
+    ABORTED = "aborted"  # aborted (Abort, a cancelled client) during the migration
+
 
 def sample_request_id(request_id: str, index: int, position: int) -> str:
     """The id a migrating sample's KV is reserved under on the target: the request's own for the
@@ -65,23 +78,24 @@ class _Migration:
     reason: str
     detached: Detached | None = None
     call: grpc.Future | None = None  # the target's StartGeneration stream
-    reserved: list[str] = field(default_factory=list)  # sample reservations made on the target
+    targets: list[RemoteDecodeSteps] = field(default_factory=list)  # each sample's steps with the target
     aborted: bool = False
 
 
+@dataclass(eq=False)
 class Migrations:
-    def __init__(self, config: DecodeNodeConfig, engine: Engine, scheduler: Scheduler, requests: RequestTable,
-                 writer: KvWriter, metrics: DecodeMetrics, tracer: Tracer) -> None:
-        self.config = config
-        self.engine = engine
-        self.lock = engine.lock
-        self.scheduler = scheduler
-        self.requests = requests
-        self.writer = writer
-        self.metrics = metrics
-        self.tracer = tracer
-        self._live: dict[str, _Migration] = {}
-        self._idle = threading.Condition(engine.lock)  # notified when a migration ends
+    config: DecodeNodeConfig
+    engine: Engine
+    scheduler: Scheduler
+    requests: RequestTable
+    writer: KvWriter
+    metrics: DecodeMetrics
+    tracer: Tracer
+    _live: dict[LiveRequest, _Migration] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.lock = self.engine.lock
+        self._idle = threading.Condition(self.lock)  # notified when a migration ends
 
     def target_load(self, target: str) -> pb.NodeLoad:
         """The target's load; INVALID_ARGUMENT for a malformed address or this node itself."""
@@ -109,22 +123,22 @@ class Migrations:
             if entry.status is not Status.RUNNING or entry.params is None:
                 raise FailedPrecondition(f"request {request_id!r} is {entry.status.value}: only a running request "
                                          "moves (one being handed off or prefilled moves once it decodes)")
-            m = self._live[request_id] = _Migration(entry, target, reason)
+            m = self._live[entry] = _Migration(entry, target, reason)
             self.requests.move(entry, Status.MIGRATING)
         self.tracer.event(request_id, "migration_started", target=target, reason=reason)
         try:
-            m.detached = self.scheduler.detach(request_id)
+            m.detached = self.scheduler.detach(entry.handle)
         except RequestError:
-            self._end(m, "failed", resume=False)
+            self._end(m, Outcome.FAILED, resume=False)
             raise
         started = time.perf_counter()
         try:
             response, first = self._hand_over(m, peer)
         except BaseException as exc:
             try:
-                self._clean_target(m, peer)
+                self._clean_target(m)
             finally:  # whatever the clean-up met, the request decodes on here (or ends, if aborted)
-                self._end(m, "aborted" if m.aborted else "failed", resume=not m.aborted)
+                self._end(m, Outcome.ABORTED if m.aborted else Outcome.FAILED, resume=not m.aborted)
             if m.aborted:
                 raise RequestError(f"request {request_id!r} was aborted during its migration",
                                    ErrorCode.ABORTED) from None
@@ -140,10 +154,10 @@ class Migrations:
         threading.Thread(target=self._relay, args=(m, first), name=f"relay-{request_id[:16]}", daemon=True).start()
         return response
 
-    def abort(self, request_id: str) -> bool:
-        """End a migrating request on both nodes; False if `request_id` is not migrating."""
+    def abort(self, entry: LiveRequest) -> bool:
+        """End a migrating request on both nodes; False if `entry` is not migrating."""
         with self.lock:
-            m = self._live.get(request_id)
+            m = self._live.get(entry)
             if m is None:
                 return False
             m.aborted = True
@@ -163,55 +177,49 @@ class Migrations:
                 self._idle.wait()
 
     def _hand_over(self, m: _Migration, peer: DecodePeer) -> tuple[MigrateResult, pb.GenerationChunk]:
-        """Reserve on the target, write the KV, start it there; the response and its first chunk."""
+        """The hand-off's steps with the target (common/peers/hand_off.py): each sample's window
+        reserved there and filled from this node's pages, then one StartGeneration that continues
+        them all; the response and the target's first chunk."""
         request_id, d = m.entry.request_id, m.detached
         deadline = time.monotonic() + self.config.lease_seconds
+        sampling = sampling_to_proto(m.entry.params)
+        continuation = continuation_to_proto(Continuation(tuple(s.state() for s in d.samples), d.group.cached_tokens,
+                                                          d.group.completion_tokens))
         response = MigrateResult()
-        first_end = 0
+        first: ReceiveWindow | None = None
         for position, sample in enumerate(d.samples):
             self._check_aborted(m)
-            rid = sample_request_id(request_id, sample.index, position)
-            # Not waiting in a full target's admission queue: the stream is paused meanwhile.
-            prep = peer.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=sample.seq.token_ids),
-                                            timeout=min(PREPARE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
-            m.reserved.append(rid)
-            if position == 0:
-                first_end, response.prefix_matched_length = prep.kv_window_end, prep.prefix_matched_length
-            if prep.kv_window_end > prep.kv_window_begin:
-                self._push(peer, rid, prep, sample.seq, deadline)
-                response.tokens_moved += prep.kv_window_end - prep.kv_window_begin
-        self._check_aborted(m)
-        continuation = Continuation(tuple(s.state() for s in d.samples), d.group.cached_tokens,
-                                    d.group.completion_tokens)
+            steps = RemoteDecodeSteps(
+                peer.stub, peer.address, sample_request_id(request_id, sample.index, position), sample.seq.token_ids,
+                sampling, continuation if position == 0 else None, wanted=lambda: not m.aborted,
+                abort=lambda req: self.writer.tell(peer, "Abort", req),
+                # Not waiting in a full target's admission queue: the stream is paused meanwhile.
+                prepare_timeout=min(PREPARE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
+            m.targets.append(steps)
+            window = fill(steps.request_id, sample.seq.token_ids, steps, _OwnPages(self, peer, sample.seq, deadline))
+            self._check_aborted(m)
+            if window is None:
+                raise ResourceExhausted(f"target decode node {peer.address} has no room for the request now")
+            first = first or window
+            response.tokens_moved += window.kv_window_end - window.kv_window_begin
+        response.prefix_matched_length = first.prefix_matched_length
+        call = m.targets[0].start(first.kv_window_end)
         with self.lock:
-            m.call = peer.stub.StartGeneration(pb.StartGenerationRequest(
-                request_id=request_id, kv_window_begin=first_end, sampling=sampling_to_proto(m.entry.params),
-                continuation=continuation_to_proto(continuation)))
+            m.call = call
         self._check_aborted(m)
-        return response, next(m.call)
-
-    def _push(self, peer: DecodePeer, rid: str, prep: pb.PrepareReceiveResponse, seq: Sequence,
-              deadline: float) -> None:
-        """Write positions [kv_window_begin, kv_window_end) of `seq` into the target's reservation."""
-        begin, end = prep.kv_window_begin, prep.kv_window_end
-        self.writer.write(peer, rid, prep.transfer_nonce, list(prep.kv_append_metadata),
-                          slot_range(seq.pages, self.engine.page_size, begin, end),
-                          layer_skips(self.engine.model.config, begin, end), deadline)
+        return response, next(call)
 
     def _check_aborted(self, m: _Migration) -> None:
         if m.aborted:
             raise RequestError(f"request {m.entry.request_id!r} was aborted during its migration",
                                ErrorCode.ABORTED)
 
-    def _clean_target(self, m: _Migration, peer: DecodePeer) -> None:
+    def _clean_target(self, m: _Migration) -> None:
         """Best effort: end whatever the failed migration left on the target (its lease would)."""
         if m.call is not None:
             m.call.cancel()
-        for rid in m.reserved:
-            try:
-                self.writer.tell(peer, "Abort", pb.AbortRequest(request_id=rid))  # the push may have dropped the peer
-            except grpc.RpcError:
-                pass  # gone, claimed or expired already
+        for steps in m.targets:
+            steps.release()
 
     def _relay(self, m: _Migration, first: pb.GenerationChunk) -> None:
         """Relay the target's chunks to the client's stream until the request ends there."""
@@ -223,31 +231,32 @@ class Migrations:
                 self.scheduler.absorb(d, chunk)
                 d.group.send(chunk)
                 if chunk.final:
-                    self._end(m, "aborted" if chunk.finish_reason == "abort" else "migrated", resume=False)
+                    ended = Outcome.ABORTED if chunk.finish_reason is FinishReason.ABORT else Outcome.MIGRATED
+                    self._end(m, ended, resume=False)
                     return
                 msg = next(m.call)
         except (grpc.RpcError, StopIteration) as exc:
             code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
             if m.aborted:
-                self._end(m, "aborted", resume=False)
+                self._end(m, Outcome.ABORTED, resume=False)
             elif code in STREAM_BROKEN | STALLED:  # no answer of the target's own: it (or the way to it) is gone
                 log.warning("migration target failed mid-stream: resuming here", extra={"fields": {
                     "request_id": m.entry.request_id, "target": m.target, "code": code.name}})
-                self._end(m, "resumed", resume=True)
+                self._end(m, Outcome.RESUMED, resume=True)
             else:  # the target's own verdict on the request (RESOURCE_EXHAUSTED, ...): the client's too
-                d.group.send(Chunk([], "", "error", error_code=from_grpc(code), error=exc.details()))
-                self._end(m, "failed", resume=False, end=Status.ABORTED)
+                d.group.send(Chunk([], "", FinishReason.ERROR, error_code=from_grpc(code), error=exc.details()))
+                self._end(m, Outcome.FAILED, resume=False, end=Status.ABORTED)
 
-    def _end(self, m: _Migration, outcome: str, resume: bool, end: Status | None = None) -> None:
+    def _end(self, m: _Migration, outcome: Outcome, resume: bool, end: Status | None = None) -> None:
         """The migration is over: the request decodes on here (`resume`), or was aborted (its
         samples end here too), or ended on the target (`end`, or by its final chunk)."""
         d, entry = m.detached, m.entry
         with self.lock:
-            self._live.pop(entry.request_id, None)
+            self._live.pop(entry, None)
             self._idle.notify_all()
             live = self.requests.get(entry.request_id) is entry
-            if d is not None and outcome == "aborted":
-                self.scheduler.end_detached(d, "abort")  # the last sample's end ends the entry
+            if d is not None and outcome is Outcome.ABORTED:
+                self.scheduler.end_detached(d, FinishReason.ABORT)  # the last sample's end ends the entry
                 if self.requests.get(entry.request_id) is entry:
                     self.requests.move(entry, Status.ABORTED)
             elif resume and d is not None and live:
@@ -258,5 +267,27 @@ class Migrations:
             elif live:
                 self.requests.move(entry, end or Status.FINISHED)
         self.metrics.migrations.labels(m.reason, outcome).inc()
-        if outcome != "migrated":
+        if outcome is not Outcome.MIGRATED:
             self.tracer.event(entry.request_id, "migration_ended", outcome=outcome, target=m.target)
+
+
+@dataclass
+class _OwnPages:
+    """This node, as the hand-off calls the node that writes a window's KV: from `seq`'s pages."""
+
+    migrations: Migrations
+    peer: DecodePeer
+    seq: Sequence
+    deadline: float
+
+    def push(self, request: SendRequest, still_wanted: Callable[[], bool] = lambda: True,
+             lease_deadline_unix: float | None = None, preferred: str | None = None) -> str:
+        """Write positions [kv_window_begin, kv_window_end) of `seq`; a failure raises, so the
+        Migrate call reports it."""
+        begin, end = request.kv_window_begin, request.kv_window_end
+        engine = self.migrations.engine
+        self.migrations.writer.write(self.peer, request.request_id, request.transfer_nonce,
+                                     list(request.kv_append_metadata),
+                                     slot_range(self.seq.pages, engine.page_size, begin, end),
+                                     layer_skips(engine.model.config, begin, end), self.deadline)
+        return self.peer.address

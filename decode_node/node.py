@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 
 from common.daemon_limits import check_prompt, check_request_id
 from common.engine.core import Engine, Sequence
-from common.engine.generation import Continuation, RequestHandle
+from common.engine.generation import Continuation, FinishReason, Group, RequestHandle
 from common.engine.kv_offload import ReadBack
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -103,9 +103,11 @@ class DecodeNode:
         self.kv_writer.close()
         self.writer_gate.close()
 
-    def _finished(self, request_id: str, reason: str) -> None:
-        """The scheduler ended a request (called with the engine lock held)."""
-        self.requests.end(request_id, Status.ABORTED if reason == "abort" else Status.FINISHED)
+    def _finished(self, group: Group, reason: FinishReason) -> None:
+        """The scheduler ended a request's instance `group` (called with the engine lock held)."""
+        entry = self.requests.holding(group)
+        if entry is not None:
+            self.requests.move(entry, Status.ABORTED if reason is FinishReason.ABORT else Status.FINISHED)
 
     def _check_prompt(self, token_ids: Seq[int]) -> list[int]:
         config = self.engine.model.config
@@ -211,12 +213,10 @@ class DecodeNode:
             raise Cancelled(f"request {request_id!r} was cancelled by the client")
         with self.engine.lock:
             with self.reservations.admitting(request_id) as entry:
-                seq = self._local_sequence(request_id, tokens, cancelled, deadline, use_prefix_cache=not scoring)
+                seq = self._local_sequence(entry, tokens, cancelled, deadline, use_prefix_cache=not scoring)
             self.tracer.event(request_id, "prefix_matched", matched_tokens=seq.num_computed, prompt_tokens=len(tokens))
             self.tiers.served(len(tokens), seq.num_computed, read_back.tokens)
-            entry.params = params
-            self.requests.move(entry, Status.RUNNING)
-            return self.scheduler.submit(request_id, seq, params)
+            return self.requests.run(entry, params, self.scheduler.submit(request_id, seq, params))
 
     def _continue(self, request_id: str, prompt: list[int], params: SamplingParams,
                   continuation: Continuation) -> RequestHandle:
@@ -233,9 +233,8 @@ class DecodeNode:
                 self.tiers.served(len(seq.token_ids), seq.num_computed, read_back.tokens)
             self.tracer.event(request_id, "continued", samples=len(seqs),
                               context_tokens=len(contexts[0]), matched_tokens=seqs[0].num_computed)
-            entry.params = params
-            self.requests.move(entry, Status.RUNNING)
-            return self.scheduler.submit_continuation(request_id, seqs, params, continuation)
+            return self.requests.run(entry, params,
+                                     self.scheduler.submit_continuation(request_id, seqs, params, continuation))
 
     def _supersede(self, request_id: str) -> None:
         """A continuation is the request resumed by a client that lost its stream; an instance
@@ -243,18 +242,21 @@ class DecodeNode:
         client's router died, lands at the next step; or this node took it over by a migration
         whose source then died). It is ended, so the continuation takes the id, instead of
         ALREADY_EXISTS; one in another state keeps the id (the wait is bounded)."""
-        if self.requests.get(request_id) is None:
+        entry = self.requests.get(request_id)
+        if entry is None:
             return
-        self.cancel(request_id)
+        if entry.handle is not None:
+            self.cancel(entry.handle)
         deadline = time.monotonic() + SUPERSEDE_WAIT_S
         while self.requests.get(request_id) is not None and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _local_sequence(self, request_id: str, tokens: list[int], cancelled: Callable[[], bool],
+    def _local_sequence(self, entry: LiveRequest, tokens: list[int], cancelled: Callable[[], bool],
                         deadline: float | None, use_prefix_cache: bool) -> Sequence:
         """Rejecting, the scheduler queues what the pool cannot hold yet (preempting as needed).
         Queuing, the prompt's pages (a sliding window's worth at most) are admitted and reserved
         up front, so requests wait in the admission queue rather than crowd the scheduler."""
+        request_id = entry.request_id
         if not self.admission.queueing:
             self.admission.check_room()
             return self.engine.new_sequence(request_id, tokens, use_prefix_cache)
@@ -262,7 +264,7 @@ class DecodeNode:
         pages = self.reservations.footprint(n)
         end = min(n, pages * self.engine.page_size)
         seq, _ = self.admission.admit(
-            request_id, pages, n,
+            entry, pages, n,
             lambda: self.reservations.admitted_sequence(request_id, tokens, end, receiving=False,
                                                     use_prefix_cache=use_prefix_cache),
             cancelled, deadline)
@@ -295,18 +297,22 @@ class DecodeNode:
 
     def _abort(self, entry: LiveRequest) -> None:
         if entry.status is Status.QUEUED:
-            self.admission.abort(entry.request_id)  # its waiter gives up with ABORTED
+            self.admission.abort(entry)  # it gives up waiting, with ABORTED
         elif entry.status is Status.MIGRATING:
-            self.migrations.abort(entry.request_id)
+            self.migrations.abort(entry)
         elif entry.status in HOLDING_RESERVATION:
             if entry.status is Status.RECEIVING:
                 self.metrics.transfers.failed("aborted")
             self.requests.move(entry, Status.ABORTED)
             self.tracer.event(entry.request_id, "aborted", held="reservation")
         else:
-            self.scheduler.abort(entry.request_id)
+            self.scheduler.abort(entry.handle)
 
-    def cancel(self, request_id: str) -> None:
-        """The client of `request_id`'s stream went away: stop generating it, here or where it migrated."""
-        if not self.scheduler.abort(request_id):
-            self.migrations.abort(request_id)
+    def cancel(self, handle: RequestHandle) -> None:
+        """The client of `handle`'s stream went away: stop generating it, here or where it
+        migrated. Only that instance: its request id may name a newer one by now."""
+        if not self.scheduler.abort(handle):
+            with self.engine.lock:
+                entry = self.requests.holding(handle.group)
+            if entry is not None:
+                self.migrations.abort(entry)

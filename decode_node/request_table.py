@@ -35,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from common.engine.core import Engine, Sequence, locked
+from common.engine.generation import Group, RequestHandle
 from common.engine.sampling import SamplingParams
 from common.kv.segments import Segments
 
@@ -90,10 +91,20 @@ class Reservation:
 
 @dataclass(eq=False)
 class LiveRequest:
+    """One request on this node, from admission to its end: what admission, a reservation, the
+    scheduler and a migration each need of it. Compared by identity: an id may be taken again
+    once its request ended."""
+
     request_id: str
     status: Status = S.QUEUED
     reservation: Reservation | None = None
     params: SamplingParams | None = None  # set once it runs: a migration hands them on
+    handle: RequestHandle | None = None  # set once it runs: its instance in the scheduler
+    abort_requested: bool = False  # an Abort came while it waited for admission
+
+    def runs(self, group: Group) -> bool:
+        """Whether the scheduler's instance `group` (a `RequestHandle.group`) is this request's."""
+        return self.handle is not None and self.handle.group is group
 
 
 class RequestTable:
@@ -124,6 +135,20 @@ class RequestTable:
             if entry.status in HOLDING_RESERVATION:
                 self.engine.release(entry.reservation.seq, cache=False)
         entry.status = to
+
+    @locked
+    def run(self, entry: LiveRequest, params: SamplingParams, handle: RequestHandle) -> RequestHandle:
+        """`entry` generates (RUNNING): `handle` is its instance in the scheduler."""
+        entry.params, entry.handle = params, handle
+        if entry.status is not S.RUNNING:
+            self.move(entry, S.RUNNING)
+        return handle
+
+    @locked
+    def holding(self, group: Group) -> LiveRequest | None:
+        """The live request whose instance in the scheduler `group` is; None once it ended."""
+        entry = self._by_id.get(group.request_id)
+        return entry if entry is not None and entry.runs(group) else None
 
     @locked
     def end(self, request_id: str, to: Status) -> LiveRequest | None:

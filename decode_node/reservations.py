@@ -101,7 +101,7 @@ class Reservations:
         with self.engine.lock:
             with self.admitting(request_id) as entry:
                 seq, begin = self.admission.admit(
-                    request_id, self.footprint(resolved), n,
+                    entry, self.footprint(resolved), n,
                     lambda: self.admitted_sequence(request_id, tokens, resolved, receiving=True),
                     cancelled, deadline)
             matched = seq.num_computed
@@ -128,11 +128,10 @@ class Reservations:
                                   "with Generate (StartGeneration continues a prompt prefilled elsewhere)")
         with self.engine.lock:
             entry = self._received(request_id, kv_window_begin)
-            entry.params = params
             r = entry.reservation
             if continuation is None:
                 self._claim(entry)
-                return self.scheduler.submit(request_id, r.seq, params)
+                return self.requests.run(entry, params, self.scheduler.submit(request_id, r.seq, params))
             samples = [entry] + [self._received(sample_request_id(request_id, s.index, position))
                                  for position, s in enumerate(continuation.samples) if position]
             prompt = len(r.seq.token_ids) - len(continuation.samples[0].generated)
@@ -145,8 +144,8 @@ class Reservations:
                 self._claim(e)
             for e in samples[1:]:  # its pages now belong to the request's generation
                 self.requests.move(e, Status.FINISHED)
-            return self.scheduler.submit_continuation(request_id, [e.reservation.seq for e in samples], params,
-                                                      continuation)
+            return self.requests.run(entry, params, self.scheduler.submit_continuation(
+                request_id, [e.reservation.seq for e in samples], params, continuation))
 
     def _received(self, request_id: str, kv_window_begin: int | None = None) -> LiveRequest:
         """The reservation `request_id` (ending at `kv_window_begin` when given), if its KV is all here."""

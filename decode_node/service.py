@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from common.engine.generation import Continuation, RequestHandle
+from common.engine.generation import Continuation, FinishReason, RequestHandle
 from common.engine.guided import GrammarCompiler
 from common.engine.sampling import SamplingParams
 from common.openai_http.gateway_routes import PREFILLER_HEADER
@@ -132,15 +132,15 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         """Relay chunks until the request finishes (all of its parallel samples). A call
         cancelled at any point (even before this generator first runs, or while gRPC no longer
         pulls it) aborts the request."""
-        if not context.add_callback(lambda: self.node.cancel(handle.request_id)):
-            self.node.cancel(handle.request_id)  # the call already ended
+        if not context.add_callback(lambda: self.node.cancel(handle)):
+            self.node.cancel(handle)  # the call already ended
         first = None
         samples = 1
         while True:
             chunk = handle.next_chunk(timeout=0.5)
             if chunk is None:
                 if not context.is_active():
-                    self.node.cancel(handle.request_id)
+                    self.node.cancel(handle)
                     self.metrics.requests.labels(rpc, "cancelled").inc()
                     return
                 continue
@@ -148,7 +148,7 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
             if first is None and chunk.token_ids:
                 first = now
                 self.metrics.ttft.observe(now - received)
-            if chunk.finish_reason == "error":
+            if chunk.finish_reason is FinishReason.ERROR:
                 self.metrics.requests.labels(rpc, chunk.error_code.name).inc()
                 context.abort(to_grpc(chunk.error_code), chunk.error)
             yield chunk_to_proto(handle.request_id, chunk, self.node.tokenizer.token_bytes)

@@ -6,11 +6,11 @@ import uuid
 
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
-from common.errors import DeadlineExceeded, ErrorCode, InvalidArgument, RequestError
-from common.kv.segments import MetadataError, Segments, slot_range
+from common.errors import DeadlineExceeded, ErrorCode, RequestError
+from common.kv.segments import Segments, slot_range
 from common.model.decoder import DecoderModel
 from common.node_messages import NodeLoad, SendRequest, SendResult
-from common.peers.kv_writer import KvWriter, check_send_request
+from common.peers.kv_writer import KvWriter, OpenTransfer, check_send_request
 from common.serving.fingerprint import fingerprint_of
 from common.serving.incarnation import INCARNATION
 from common.serving.kv_tiers import KvTiers
@@ -63,20 +63,28 @@ class PrefillNode:
         timeout_s = min(timeout_s or self.config.transfer_timeout_seconds, self.config.transfer_timeout_seconds)
         deadline = time.monotonic() + timeout_s
         peer = self.writer.peers.get(req.decode_address)
-        try:
-            dst = Segments.from_wire(metadata, end - begin, num_slots=peer.info.num_slots)
-        except MetadataError as exc:
-            raise InvalidArgument(f"kv_append_metadata does not fit decode node {req.decode_address}: {exc}") from None
+        dst = self.writer.destination(peer, metadata, end - begin)
         started = time.perf_counter()
         read_back = self.tiers.read_back(req.request_id, req.token_ids[: end - 1], deadline)
-        try:  # before any byte moves: NIXL writes land wherever they are aimed
-            transfer = self.writer.begin(
-                peer, req.request_id, req.transfer_nonce, metadata, deadline,
-                on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done", layer=layer))
-        except RequestError as exc:
-            if exc.code is ErrorCode.UNAVAILABLE:
-                self.metrics.transfers.failed("unavailable")
+        began = False
+        try:  # before any byte moves (BeginTransfer): NIXL writes land wherever they are aimed
+            with self.writer.transfer(
+                    peer, req.request_id, req.transfer_nonce, metadata, deadline,
+                    on_layer_done=lambda layer: self.tracer.event(req.request_id, "transfer_layer_done",
+                                                                  layer=layer)) as transfer:
+                began = True
+                return self._prefill_into(req, transfer, dst, read_back.tokens, started, deadline, timeout_s)
+        except BaseException as exc:
+            code = exc.code if isinstance(exc, RequestError) else None
+            if began or code is ErrorCode.UNAVAILABLE:  # UNAVAILABLE: admitted, or gone, as it began
+                self.metrics.transfers.failed(code.name.lower() if code else "internal")
             raise
+
+    def _prefill_into(self, req: SendRequest, transfer: OpenTransfer, dst: Segments, read_back_tokens: int,
+                      started: float, deadline: float, timeout_s: float) -> SendResult:
+        """Compute the window's KV, its layers posted as the forward finishes each, and finish the
+        transfer; the pages go back into the prefix cache once it landed."""
+        begin, end = req.kv_window_begin, req.kv_window_end
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         transfer.transfer = with_faults(transfer.transfer, self.engine.pool)
         with self.engine.lock:
@@ -84,7 +92,7 @@ class PrefillNode:
         skips = layer_skips(self.engine.model.config, begin, end)
         job = PrefillJob(seq, begin, dst, transfer.transfer, skips)
         cached = seq.num_computed
-        self.tiers.served(end, cached, read_back.tokens)
+        self.tiers.served(end, cached, read_back_tokens)
         self.tracer.event(req.request_id, "prefix_matched", matched_tokens=cached, prompt_tokens=end)
         self.scheduler.submit(job)
         ok = False
@@ -100,12 +108,7 @@ class PrefillNode:
                                    skips)
             self.tracer.event(req.request_id, "completion_sent")
             ok = True
-        except BaseException as exc:
-            self.metrics.transfers.failed(exc.code.name.lower() if isinstance(exc, RequestError) else "internal")
-            raise
         finally:
-            if not ok:
-                self.writer.fail(transfer)
             self.scheduler.release(job, cache=ok)
         done = time.perf_counter()
         self.metrics.observe(end - cached, prefilled - started, done - started)

@@ -23,14 +23,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.errors import Unavailable
 from common.model.tokenizer import Tokenizer
-from common.node_messages import ReceiveWindow
 from common.peers.hand_off import hand_off, worth_remote
 from common.peers.membership import Member, Membership
 from common.peers.peer_status import STREAM_BROKEN
 from common.peers.prefill_pool import PrefillPool
+from common.peers.remote_decode import RemoteDecodeSteps
 from common.peers.routing import Choice, NodeChooser
 from common.serving.prompts import prompt_token_ids
-from common.serving.rpc_convert import from_proto
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from router.continuation import Relayed
@@ -196,7 +195,7 @@ class Router:
                                                            prefix_holder=holder))
             return
         if worth_remote(len(tokens), cached, self.min_remote_prefill_tokens, scoring, self.prefill):
-            stream = hand_off(rid, tokens, _RpcSteps(dn, rid, tokens, sampling), self.prefill)
+            stream = hand_off(rid, tokens, RemoteDecodeSteps(dn.stub, dn.address, rid, tokens, sampling), self.prefill)
             if stream is not None:
                 self.routed.labels("remote").inc()
                 yield from stream
@@ -204,32 +203,3 @@ class Router:
         self.routed.labels("local").inc()
         yield from dn.stub.Generate(pb.GenerateRequest(request_id=rid, token_ids=tokens, sampling=sampling))
 
-
-class _RpcSteps:
-    """The hand-off's steps over a decode node's gRPC stub."""
-
-    def __init__(self, dn: Member, rid: str, tokens: list[int], sampling: pb.SamplingParams) -> None:
-        self.decode_address = dn.address
-        self._stub, self._rid, self._tokens, self._sampling = dn.stub, rid, tokens, sampling
-
-    def prepare(self) -> ReceiveWindow | None:
-        try:
-            answer = self._stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=self._rid, token_ids=self._tokens))
-            return from_proto(answer, ReceiveWindow)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return None  # the decode node's Generate queues instead of refusing
-            raise
-
-    def still_wanted(self) -> bool:
-        return True
-
-    def release(self) -> None:
-        try:
-            self._stub.Abort(pb.AbortRequest(request_id=self._rid))
-        except grpc.RpcError:
-            pass  # already expired
-
-    def start(self, kv_window_begin: int) -> Iterator[pb.GenerationChunk]:
-        return self._stub.StartGeneration(pb.StartGenerationRequest(
-            request_id=self._rid, kv_window_begin=kv_window_begin, sampling=self._sampling))

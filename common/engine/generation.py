@@ -4,6 +4,7 @@ sequence each), what they share (`Group`), and the stream of chunks it produces 
 """
 from __future__ import annotations
 
+import enum
 import queue
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,15 @@ from common.errors import ErrorCode
 from common.model.detokenizer import IncrementalDetokenizer
 
 
+class FinishReason(enum.StrEnum):
+    """Why a sample's stream ended; the strings are the wire's (`GenerationChunk.finish_reason`)."""
+
+    STOP = "stop"  # end of sequence, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORT = "abort"  # Abort, a cancelled client, a superseded or drained instance
+    ERROR = "error"  # failed: `Chunk.error_code` says how
+
+
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
@@ -27,14 +37,14 @@ class Usage:
 @dataclass(frozen=True)
 class Chunk:
     """One streamed piece of parallel sample `index` (0 unless n > 1). The last chunk of each
-    sample has `finish_reason` set ("stop", "length", "abort" or "error"); the request's final
+    sample has `finish_reason` set (a `FinishReason`); the request's final
     chunk, sent when its last sample finishes, also carries `usage` for all of them."""
 
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
-    # With finish_reason "error": the status (RESOURCE_EXHAUSTED, INTERNAL, ...) and why.
+    # With finish_reason ERROR: the status (RESOURCE_EXHAUSTED, INTERNAL, ...) and why.
     error_code: ErrorCode | None = None
     error: str | None = None
     index: int = 0
@@ -124,9 +134,12 @@ class Sample:
 
 
 class RequestHandle:
-    def __init__(self, request_id: str, outputs: queue.SimpleQueue) -> None:
-        self.request_id = request_id
-        self._outputs = outputs
+    """One instance of a request, as its caller holds it: its stream of chunks, and what the
+    scheduler's `abort` and `detach` name. A request id may be taken again once its instance
+    ended (a continuation supersedes a lost one); a handle names only its own."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
         self._held: Chunk | None = None  # taken from the queue but not mergeable into the last one
 
     def next_chunk(self, timeout: float | None = None) -> Chunk | None:
@@ -137,19 +150,23 @@ class RequestHandle:
         chunk, self._held = self._held, None
         if chunk is None:
             try:
-                chunk = self._outputs.get(timeout=timeout)
+                chunk = self.group.outputs.get(timeout=timeout)
             except queue.Empty:
                 return None
         while chunk.finish_reason is None:
             try:
-                later = self._outputs.get_nowait()
+                later = self.group.outputs.get_nowait()
             except queue.Empty:
                 break
-            if later.index != chunk.index or later.finish_reason == "error":
+            if later.index != chunk.index or later.finish_reason is FinishReason.ERROR:
                 self._held = later
                 break
             chunk = chunk.followed_by(later)
         return chunk
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
 
 
 @dataclass(frozen=True)

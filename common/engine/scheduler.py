@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.engine.core import Engine, Sequence, locked
-from common.engine.generation import Chunk, Continuation, Group, RequestHandle, Sample, Usage
+from common.engine.generation import Chunk, Continuation, FinishReason, Group, RequestHandle, Sample, Usage
 from common.engine.guided import GrammarDeadEnd
 from common.engine.loop import EngineLoop
 from common.engine.sampling import Draw, PositionLogprobs, PromptLogprobs, Sampler, SamplingParams
@@ -68,10 +68,10 @@ class Scheduler(EngineLoop):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_tokens: int = 512,
                  tracer: Tracer | None = None, max_step_ms: float | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 on_finished: Callable[[str, str], None] = lambda request_id, reason: None,
+                 on_finished: Callable[[Group, FinishReason], None] = lambda group, reason: None,
                  adaptive_threads: bool = False) -> None:
-        """`on_finished(request_id, finish_reason)` runs, with the lock held, when a request's
-        last sample ends. `adaptive_threads`: see EngineLoop."""
+        """`on_finished(group, finish_reason)` runs, with the lock held, when a request's last
+        sample ends (`group`: the instance, as its `RequestHandle.group`). `adaptive_threads`: see EngineLoop."""
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         super().__init__(engine, name="scheduler", adaptive_threads=adaptive_threads)
@@ -82,15 +82,15 @@ class Scheduler(EngineLoop):
         self.speculator = Speculator(speculative or SpeculativeConfig())
         self._on_finished = on_finished
         self._active: list[Sample] = []  # admission order
-        self._aborts: set[str] = set()
-        self._detaches: dict[str, Future[Detached]] = {}
+        self._aborts: set[Group] = set()
+        self._detaches: dict[Group, Future[Detached]] = {}
 
     # ---- public API (any thread) ----
 
     def _on_stop(self) -> None:
         """Abort everything still running."""
         for r in list(self._active):
-            self._finish(r, [], "", "abort")
+            self._finish(r, [], "", FinishReason.ABORT)
         for done in self._detaches.values():
             done.set_exception(Unavailable("the node is shutting down"))
         self._detaches.clear()
@@ -126,20 +126,21 @@ class Scheduler(EngineLoop):
             self._active.extend(samples)
             self.notify()
         self.tracer.event(group.request_id, "generation_start", computed_tokens=computed)
-        return RequestHandle(group.request_id, group.outputs)
+        return RequestHandle(group)
 
-    def detach(self, request_id: str) -> Detached:
+    def detach(self, handle: RequestHandle) -> Detached:
         """Take a decoding request out of the loop at the next step boundary, pages and all (to
         migrate it). Raises NotFound when it is not generating here (or finishes first), and
         FailedPrecondition while a sample of it is not decoding (its prompt is being computed,
         or its context recomputed after a preemption)."""
         done: Future[Detached] = Future()
+        group = handle.group
         with self._wakeup:
-            if not any(r.request_id == request_id for r in self._active):
-                raise NotFound(f"request {request_id!r} is not generating on this node")
-            if request_id in self._detaches:
-                raise FailedPrecondition(f"request {request_id!r} is already being migrated")
-            self._detaches[request_id] = done
+            if not any(r.group is group for r in self._active):
+                raise NotFound(f"request {group.request_id!r} is not generating on this node")
+            if group in self._detaches:
+                raise FailedPrecondition(f"request {group.request_id!r} is already being migrated")
+            self._detaches[group] = done
             self.notify()
         return done.result()
 
@@ -158,7 +159,7 @@ class Scheduler(EngineLoop):
             self.engine.release(r.seq)
 
     @locked
-    def end_detached(self, detached: Detached, reason: str) -> None:
+    def end_detached(self, detached: Detached, reason: FinishReason) -> None:
         """End a detached request here (aborted during its migration): each sample's last chunk."""
         self._active.extend(detached.samples)
         for r in list(detached.samples):
@@ -179,12 +180,12 @@ class Scheduler(EngineLoop):
             r.group.running -= 1
             r.group.completion_tokens += r.num_generated
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its pages; False if it is not running here."""
+    def abort(self, handle: RequestHandle) -> bool:
+        """Stop the request instance `handle` and free its pages; False if it is not running here."""
         with self._wakeup:
-            if not any(r.request_id == request_id for r in self._active):
+            if not any(r.group is handle.group for r in self._active):
                 return False
-            self._aborts.add(request_id)
+            self._aborts.add(handle.group)
             self.notify()
             return True
 
@@ -243,7 +244,7 @@ class Scheduler(EngineLoop):
                             r.group.prompt_logprobs.add(rows, r.seq.num_computed - n)
                         if r.params.max_tokens == 0:
                             r.group.unforked = False
-                            self._finish(r, [], "", "length")
+                            self._finish(r, [], "", FinishReason.LENGTH)
                             continue
                         for sample in [r, *self._fork_samples(r)]:
                             self._emit_token(sample, sample.sampler.draw(rows[-1]))
@@ -263,22 +264,22 @@ class Scheduler(EngineLoop):
         self._fail(r, ErrorCode.INTERNAL, f"sampling failed: {exc}")
 
     def _apply_aborts(self) -> None:
-        for r in [r for r in self._active if r.request_id in self._aborts]:
-            self._finish(r, [], "", "abort")
+        for r in [r for r in self._active if r.group in self._aborts]:
+            self._finish(r, [], "", FinishReason.ABORT)
         self._aborts.clear()
 
     def _apply_detaches(self) -> None:
-        for request_id, done in self._detaches.items():
-            samples = [r for r in self._active if r.request_id == request_id]
+        for group, done in self._detaches.items():
+            samples = [r for r in self._active if r.group is group]
             if not samples:
-                done.set_exception(NotFound(f"request {request_id!r} finished before it could be migrated"))
+                done.set_exception(NotFound(f"request {group.request_id!r} finished before it could be migrated"))
             elif not all(r.decoding for r in samples):
                 done.set_exception(FailedPrecondition(
-                    f"request {request_id!r} is still being prefilled (or recomputed after a preemption): "
+                    f"request {group.request_id!r} is still being prefilled (or recomputed after a preemption): "
                     "migrate it once it decodes"))
             else:
-                self._active = [r for r in self._active if r.request_id != request_id]
-                done.set_result(Detached(samples[0].group, samples))
+                self._active = [r for r in self._active if r.group is not group]
+                done.set_result(Detached(group, samples))
         self._detaches.clear()
 
     @locked
@@ -421,16 +422,16 @@ class Scheduler(EngineLoop):
         text = "" if eos else r.detok.push(token)
         reason = None
         if eos or token in p.stop_token_ids or r.detok.finished_by_stop is not None:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif r.num_generated >= p.max_tokens or len(r.seq.token_ids) >= self.engine.model.config.max_position_embeddings:
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is None:
             r.group.send(Chunk([token], text, index=r.index, logprobs=logprobs,
                                   prompt_logprobs=r.group.take_prompt_logprobs()))
         else:
             self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs)
 
-    def _finish(self, r: Sample, tokens: list[int], text: str, reason: str,
+    def _finish(self, r: Sample, tokens: list[int], text: str, reason: FinishReason,
                 error_code: ErrorCode | None = None, error: str | None = None,
                 logprobs: tuple[PositionLogprobs, ...] = ()) -> None:
         """End one sample and free its pages (exactly once: it leaves `_active` here). The
@@ -438,7 +439,7 @@ class Scheduler(EngineLoop):
         if r not in self._active:
             return  # already ended: a failure ends every sample of its request
         self._active.remove(r)
-        self.engine.release(r.seq, cache=reason != "error")
+        self.engine.release(r.seq, cache=reason is not FinishReason.ERROR)
         group = r.group
         group.running -= 1
         group.completion_tokens += r.num_generated
@@ -447,12 +448,12 @@ class Scheduler(EngineLoop):
             usage = Usage(group.prompt_len, group.completion_tokens, group.cached_tokens)
             self.tracer.event(r.request_id, "finished", finish_reason=reason,
                               completion_tokens=group.completion_tokens)
-            self._on_finished(r.request_id, reason)
+            self._on_finished(group, reason)
         group.send(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
                          group.take_prompt_logprobs()))
 
     def _fail(self, r: Sample, code: ErrorCode, message: str) -> None:
         """Fail `r`'s request: every sample of it ends with the error."""
         for sample in [s for s in self._active if s.group is r.group]:
-            self._finish(sample, [], "", "error", code, message)
+            self._finish(sample, [], "", FinishReason.ERROR, code, message)
 

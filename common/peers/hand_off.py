@@ -1,10 +1,13 @@
-"""The three-call hand-off, as the router and the decode node both run it: whether a prompt goes
-to a prefill node at all, then PrepareReceive, RemoteSend, StartGeneration.
+"""The three-call hand-off, as the router, the decode node and a migrating decode node all run
+it: whether a prompt goes to a prefill node at all, then PrepareReceive, RemoteSend,
+StartGeneration.
 
-The two callers differ only in how they reach the decode node (the router over gRPC, the decode
-node in process), which `HandOffSteps` hides; the policy is written once, here. The KV comes from
-a `KvSource`: a pool of prefill nodes computing it, or a decode node holding it in its prefix cache
-(decode_node/prefix_fetch.py).
+The callers differ only in how they reach the decode node (the router and a migration over gRPC,
+common/peers/remote_decode.py; the decode node in process), which `HandOffSteps` hides; the
+policy is written once, here. The KV comes from a `KvSource`: a pool of prefill nodes computing
+it, a decode node holding it in its prefix cache (decode_node/prefix_fetch.py), or the migrating
+node's own pages (decode_node/migration.py, which fills a window per sample before its one
+StartGeneration).
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ class KvSource(Protocol):
 
     def push(self, request: SendRequest, still_wanted: Callable[[], bool] = ...,
              lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
-        """Have the window written; the address of the node that wrote it, None if none did."""
+        """Have the window written; the address of the node that wrote it, None if none did (a
+        source whose failure the caller must see, a migrating node's own pages, raises instead)."""
 
 
 class HandOffSteps(Protocol, Generic[T]):
@@ -62,6 +66,16 @@ def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], source:
     """Run the three calls (on `preferred_prefill` first, when it is one of `source`'s nodes),
     traced as `span`; None when the KV did not arrive (nothing is left reserved), so the caller
     falls back to the decode node's own prefill."""
+    window = fill(request_id, tokens, steps, source, tracer, preferred_prefill, span)
+    return None if window is None else steps.start(window.kv_window_end)
+
+
+def fill(request_id: str, tokens: list[int], steps: HandOffSteps, source: KvSource,
+         tracer: Tracer | None = None, preferred: str | None = None,
+         span: str = "remote_prefill") -> ReceiveWindow | None:
+    """The first two calls: PrepareReceive, then the window's KV written by `source`; the filled
+    window, ready for StartGeneration, or None when none is (nothing is left reserved). A
+    migration fills one window per sample before its one StartGeneration (decode_node/migration.py)."""
     p = steps.prepare()
     if p is None:
         return None
@@ -72,8 +86,8 @@ def hand_off(request_id: str, tokens: list[int], steps: HandOffSteps[T], source:
             decode_address=steps.decode_address, transfer_nonce=p.transfer_nonce)
         with tracer.span(request_id, span) if tracer else nullcontext({}) as traced:
             traced["prefill"] = source.push(request, still_wanted=steps.still_wanted,
-                                           lease_deadline_unix=p.lease_deadline_unix, preferred=preferred_prefill)
+                                           lease_deadline_unix=p.lease_deadline_unix, preferred=preferred)
         if traced["prefill"] is None or not steps.still_wanted():
             steps.release()
             return None
-    return steps.start(p.kv_window_end)
+    return p

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -81,6 +82,28 @@ class KvWriter:
         self.peers.close()
         self.sender.close()
 
+    @staticmethod
+    def destination(peer: DecodePeer, metadata: list[int], positions: int) -> Segments:
+        """The reserved slots `metadata` names on `peer`, for a window of `positions` positions;
+        INVALID_ARGUMENT when they do not fit its pool."""
+        try:
+            return Segments.from_wire(metadata, positions, num_slots=peer.info.num_slots)
+        except MetadataError as exc:
+            raise InvalidArgument(f"kv_append_metadata does not fit decode node {peer.address}: {exc}") from None
+
+    @contextmanager
+    def transfer(self, peer: DecodePeer, request_id: str, nonce: int, metadata: list[int], deadline: float,
+                 on_layer_done: Callable[[int], None] = lambda layer: None) -> Iterator[OpenTransfer]:
+        """The transfer into the reservation (request_id, nonce) at `peer`, begun (`begin`), for
+        the body to post its layers into and `finish`; stopped (`fail`) if the body raises. The
+        one shape of a transfer, for the prefill node's computed KV and a decode node's held KV."""
+        job = self.begin(peer, request_id, nonce, metadata, deadline, on_layer_done)
+        try:
+            yield job
+        except BaseException:
+            self.fail(job)
+            raise
+
     def begin(self, peer: DecodePeer, request_id: str, nonce: int, metadata: list[int], deadline: float,
               on_layer_done: Callable[[int], None] = lambda layer: None) -> OpenTransfer:
         """Be admitted to the reservation (request_id, nonce) at `peer` (BeginTransfer), then open
@@ -124,19 +147,12 @@ class KvWriter:
         into the reservation (request_id, nonce) at `peer`, layer i from position skips[i] of the
         window on: admitted, every layer posted, every byte landed, confirmed."""
         n = len(src_slots)
-        try:
-            dst = Segments.from_wire(metadata, n, num_slots=peer.info.num_slots)
-        except MetadataError as exc:
-            raise InvalidArgument(f"kv_append_metadata does not fit decode node {peer.address}: {exc}") from None
-        job = self.begin(peer, request_id, nonce, metadata, deadline)
-        try:
+        dst = self.destination(peer, metadata, n)
+        with self.transfer(peer, request_id, nonce, metadata, deadline) as job:
             pieces = per_layer(skips, lambda skip: plan_pieces(src_slots[skip:], dst.window(skip, n)))
             for layer, layer_pieces in enumerate(pieces):
                 job.transfer.post_layer(layer, layer_pieces)
             self.finish(job, src_slots, deadline, skips)
-        except BaseException:
-            self.fail(job)
-            raise
 
     def fail(self, job: OpenTransfer) -> None:
         """Stop a transfer that will not complete; when its writes landed unseen (one-sided) and

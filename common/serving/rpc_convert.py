@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from common.engine.generation import Chunk, Continuation, SampleState, Usage
+from common.engine.generation import Chunk, Continuation, FinishReason, SampleState, Usage
 from common.engine.guided import GrammarCompiler, GuidedSpec
 from common.engine.sampling import PositionLogprobs, SamplingParams, TokenLogprob
 from common.errors import InvalidArgument
@@ -112,7 +112,8 @@ def chunk_from_proto(msg: pb.GenerationChunk) -> Chunk:
     """A chunk another node streamed (a migrated request's, relayed to its client)."""
     usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens) \
         if msg.HasField("usage") else None
-    return Chunk(list(msg.token_ids), msg.text, msg.finish_reason or None, usage, index=msg.index,
+    reason = FinishReason(msg.finish_reason) if msg.finish_reason else None
+    return Chunk(list(msg.token_ids), msg.text, reason, usage, index=msg.index,
                  logprobs=_logprobs_from_proto(msg.logprobs), prompt_logprobs=_logprobs_from_proto(msg.prompt_logprobs))
 
 

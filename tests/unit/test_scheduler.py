@@ -8,7 +8,7 @@ import torch
 
 from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
-from common.engine.generation import Chunk, RequestHandle, Usage
+from common.engine.generation import Chunk, Group, RequestHandle, Usage
 from common.engine.scheduler import Scheduler
 from common.errors import ErrorCode
 from harness.helpers import random_ids
@@ -91,9 +91,23 @@ def test_abort_frees_pages(make_scheduler):
     s = make_scheduler()
     h = s.submit("a", s.engine.new_sequence("a", random_ids(20, 6)), SamplingParams(max_tokens=10_000, ignore_eos=True))
     assert h.next_chunk(timeout=60).finish_reason is None
-    assert s.abort("a")
+    assert s.abort(h)
     assert collect(h)[2].finish_reason == "abort"
-    assert not s.abort("a")
+    assert not s.abort(h)
+    assert_pool_whole(s)
+
+
+def test_an_abort_ends_its_own_instance_not_a_newer_one_under_the_same_id(make_scheduler):
+    """A stream's late cancellation (gRPC runs its callback when the call ends) may come after a
+    continuation took the request id over: it must not end the new instance."""
+    s = make_scheduler()
+    old = s.submit("a", s.engine.new_sequence("a", random_ids(20, 6)), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    assert s.abort(old)
+    assert collect(old)[2].finish_reason == "abort"
+    new = s.submit("a", s.engine.new_sequence("a", random_ids(20, 7)), SamplingParams(max_tokens=40, ignore_eos=True))
+    assert not s.abort(old)
+    tokens, _, last = collect(new)
+    assert last.finish_reason == "length" and len(tokens) == 40
     assert_pool_whole(s)
 
 
@@ -188,7 +202,7 @@ def test_abort_ends_every_sample_and_frees_their_pages(make_scheduler):
         chunk = h.next_chunk(timeout=60)
         assert chunk is not None and chunk.finish_reason is None
         seen.add(chunk.index)
-    assert s.abort("a3")
+    assert s.abort(h)
     _, reasons, last = collect_samples(h)
     assert reasons == {0: "abort", 1: "abort", 2: "abort"} and last.usage.completion_tokens >= 3
     assert_pool_whole(s)
@@ -241,10 +255,8 @@ def test_drawn_token_logprobs_follow_the_tempered_distribution(make_scheduler, m
 
 
 def test_handle_merges_a_samples_waiting_chunks_in_order_and_never_into_an_error():
-    import queue
-
-    outputs = queue.SimpleQueue()
-    handle = RequestHandle("r", outputs)
+    handle = RequestHandle(Group("r", SamplingParams(), 1, 0))
+    outputs = handle.group.outputs
     assert handle.next_chunk(timeout=0) is None
     waiting = [Chunk([1], "a", prompt_logprobs=("p",)), Chunk([2], "b", logprobs=("x",)), Chunk([3], "c", index=1),
                Chunk([4], "d"), Chunk([5], "e", "stop", logprobs=("y",)), Chunk([6], "f", index=1),

@@ -202,7 +202,7 @@ def test_abort_mid_generation_frees_pages(make_pair, tokenizer):
     h = spec.submit("a", spec.engine.new_sequence("a", _copy(tokenizer, 10)),
                     SamplingParams(max_tokens=10_000, ignore_eos=True))
     assert h.next_chunk(timeout=60).finish_reason is None
-    assert spec.abort("a")
+    assert spec.abort(h)
     assert collect(h)[2].finish_reason == "abort"
     assert_pool_whole(spec)
 
