@@ -33,22 +33,25 @@ void check_launch(cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, "paged KV kernel launch failed: ", cudaGetErrorString(err));
 }
 
-void scatter_to_slots(const at::Tensor& pool, const at::Tensor& src, const at::Tensor& slots) {
-  check(pool, src, slots);
+// Checks the operands, then has `launcher` (duet_scatter_rows or duet_gather_rows: the same
+// arguments, the pool side first) copy rows between the pool layer and `buffer` on the current
+// stream of the pool's device.
+template <typename Launcher>
+void copy_rows(Launcher launcher, const at::Tensor& pool, const at::Tensor& buffer, const at::Tensor& slots) {
+  check(pool, buffer, slots);
   const c10::cuda::CUDAGuard guard(pool.device());
   const int64_t es = pool.element_size();
-  check_launch(duet_scatter_rows(pool.data_ptr(), pool.stride(0) * es, src.data_ptr(), src.stride(0) * es,
-                                 slots.data_ptr<int64_t>(), slots.size(0), pool.stride(1) * es,
-                                 c10::cuda::getCurrentCUDAStream()));
+  check_launch(launcher(pool.data_ptr(), pool.stride(0) * es, buffer.data_ptr(), buffer.stride(0) * es,
+                        slots.data_ptr<int64_t>(), slots.size(0), pool.stride(1) * es,
+                        c10::cuda::getCurrentCUDAStream()));
+}
+
+void scatter_to_slots(const at::Tensor& pool, const at::Tensor& src, const at::Tensor& slots) {
+  copy_rows(duet_scatter_rows, pool, src, slots);
 }
 
 void gather_from_slots(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& out) {
-  check(pool, out, slots);
-  const c10::cuda::CUDAGuard guard(pool.device());
-  const int64_t es = pool.element_size();
-  check_launch(duet_gather_rows(pool.data_ptr(), pool.stride(0) * es, out.data_ptr(), out.stride(0) * es,
-                                slots.data_ptr<int64_t>(), slots.size(0), pool.stride(1) * es,
-                                c10::cuda::getCurrentCUDAStream()));
+  copy_rows(duet_gather_rows, pool, out, slots);
 }
 
 }  // namespace

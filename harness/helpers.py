@@ -209,6 +209,16 @@ def _wait_for_log(d: Daemon, *fragments: str, timeout: float = 30.0) -> None:
 
 
 @contextmanager
+def started_side_by_side(tmp: Path, *daemons: tuple[str, Sequence[str]]) -> Iterator[tuple[Daemon, ...]]:
+    """Daemons given as (module, args), started side by side (`Started`) and yielded healthy, in
+    that order; all stopped on leaving."""
+    with Started(tmp) as s:
+        spawned = tuple(s.spawn(module, *args) for module, args in daemons)
+        s.wait()
+        yield spawned
+
+
+@contextmanager
 def started_pair(tmp: Path, prefill_args: Sequence[str], decode_args: Sequence[str], *,
                  prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
                  tls: TlsFiles = TlsFiles()) -> Iterator[tuple[Daemon, Daemon]]:

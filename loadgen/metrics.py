@@ -5,8 +5,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
+import statistics
 
+from loadgen.percentiles import percentiles
 from loadgen.request_result import RequestResult
 
 
@@ -23,9 +24,9 @@ class LatencyStats:
     def of(cls, seconds: Sequence[float]) -> LatencyStats | None:
         if not seconds:
             return None
-        ms = np.asarray(seconds, dtype=float) * 1000.0
-        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-        return cls(mean=float(ms.mean()), median=float(p50), p90=float(p90), p99=float(p99))
+        ms = [1000.0 * s for s in seconds]
+        p50, p90, p99 = percentiles(ms, [50, 90, 99])
+        return cls(mean=statistics.fmean(ms), median=p50, p90=p90, p99=p99)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,8 @@ from pathlib import Path
 from loadgen.metrics import LatencyStats, Summary
 from loadgen.request_result import RequestResult
 from loadgen.runner import BenchmarkResult
+from loadgen.text_table import aligned_rows
 
-LABEL_WIDTH = 40
-VALUE_WIDTH = 14
 LATENCIES = (  # (Summary field, short name, section title)
     ("ttft_ms", "TTFT", "Time to First Token"),
     ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
@@ -27,24 +26,20 @@ def format_table(result: BenchmarkResult, compare: BenchmarkResult | None = None
     runs = [result] if compare is None else [result, compare]
     addresses = [run.config.target for run in runs]
     names = [run.config.label or role for run, role in zip(runs, ("target", "compare"))]
-    cell = max(VALUE_WIDTH, *(len(a) + 2 for a in addresses + names))
     rows = _rows([run.summary for run in runs])
     if compare is None:
-        width = LABEL_WIDTH + cell
-        lines = [" Serving Benchmark Result ".center(width, "="), f"{'Target:':<{LABEL_WIDTH}}{addresses[0]:>{cell}}"]
-        if result.config.label:
-            lines.insert(1, f"{'Label:':<{LABEL_WIDTH}}{result.config.label:>{cell}}")
-        for label, values in rows:
-            lines.append(f"{label + ':':<{LABEL_WIDTH}}{_cell(values[0]):>{cell}}" if values
-                         else f" {label} ".center(width, "-"))
+        title, align = " Serving Benchmark Result ", "<>"
+        head = [*([["Label:", result.config.label]] if result.config.label else []), ["Target:", addresses[0]]]
+        values = [[f"{label}:", _cell(v[0])] for label, v in rows if v]
     else:
-        width = LABEL_WIDTH + 2 * cell + VALUE_WIDTH
-        lines = [" Serving Benchmark Comparison ".center(width, "="),
-                 f"{'metric':<{LABEL_WIDTH}}{names[0]:>{cell}}{names[1]:>{cell}}{'ratio':>{VALUE_WIDTH}}",
-                 f"{'address':<{LABEL_WIDTH}}{addresses[0]:>{cell}}{addresses[1]:>{cell}}{'(tgt/cmp)':>{VALUE_WIDTH}}"]
-        for label, values in rows:
-            lines.append(f"{label:<{LABEL_WIDTH}}{_cell(values[0]):>{cell}}{_cell(values[1]):>{cell}}"
-                         f"{_ratio(*values):>{VALUE_WIDTH}}" if values else f" {label} ".center(width, "-"))
+        title, align = " Serving Benchmark Comparison ", "<>>>"
+        head = [["metric", *names, "ratio"], ["address", *addresses, "(tgt/cmp)"]]
+        values = [[label, _cell(v[0]), _cell(v[1]), _ratio(*v)] for label, v in rows if v]
+    aligned = aligned_rows([*head, *values], align)
+    width = max(map(len, aligned))
+    lines = [title.center(width, "="), *aligned[:len(head)]]
+    value_lines = iter(aligned[len(head):])
+    lines += [next(value_lines) if v else f" {label} ".center(width, "-") for label, v in rows]
     examples = [(f"{name}: " if compare is not None else "") + line
                 for name, run in zip(names, runs) for line in _error_examples(run.requests)]
     if examples:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import grpc
 
+from loadgen.percentiles import percentiles
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from harness.local_daemons import decode_node
@@ -158,9 +159,9 @@ class Churn:
 
 
 def distribution(values: list[int]) -> str:
-    q = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
-    return (f"median {statistics.median(values):g}, mean {statistics.fmean(values):.2f}, "
-            f"p10 {q[0]:g}, p90 {q[-1]:g}, max {max(values)}")
+    p10, median, p90 = percentiles(values, [10, 50, 90])
+    return (f"median {median:g}, mean {statistics.fmean(values):.2f}, "
+            f"p10 {p10:g}, p90 {p90:g}, max {max(values)}")
 
 
 def main() -> None:
@@ -201,9 +202,8 @@ def report(churn: Churn, load: pb.NodeLoad, args: argparse.Namespace, seconds: f
         if sized:
             print(f"  reservations of {lo + 1}-{hi} tokens ({len(sized)}): segments {distribution(sized)}")
         lo = hi
-    ms = sorted(churn.prepare_ms)
-    print(f"PrepareReceive (gRPC, client side): p50 {statistics.median(ms):.2f} ms, "
-          f"p99 {ms[int(0.99 * (len(ms) - 1))]:.2f} ms")
+    p50, p99 = percentiles(churn.prepare_ms, [50, 99])
+    print(f"PrepareReceive (gRPC, client side): p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     share_one = sum(1 for s in seg if s == 1) / len(seg)
     print(f"reservations in one segment: {share_one:.0%}; goal median segments <= 2: "
           f"{'PASS' if statistics.median(seg) <= 2 else 'MISS'}")

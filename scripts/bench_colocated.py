@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from loadgen import BenchmarkConfig, run_benchmark
+from loadgen.text_table import aligned_rows
 from harness.local_daemons import decode_node, prefill_node
 
 SETUPS = ("decode-alone", "prefill+decode", "pinned")
@@ -73,10 +74,10 @@ def main() -> int:
             print(f"{name} ...", flush=True)
             results[name] = run_setup(name, Path(tmp), args)
     print(f"\n{args.input_len}/{args.output_len} tokens, concurrency {args.concurrency}, {args.num_requests} requests")
-    print(f"{'setup':<16} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'TTFT p50 ms':>12} {'out tok/s':>10} {'failed':>7}")
-    for name, r in results.items():
-        print(f"{name:<16} {r['itl_p50_ms']:>11.1f} {r['itl_p99_ms']:>11.1f} {r['ttft_p50_ms']:>12.0f} "
-              f"{r['output_tokens_per_s']:>10.2f} {r['failed']:>7}")
+    table = [[name, f"{r['itl_p50_ms']:.1f}", f"{r['itl_p99_ms']:.1f}", f"{r['ttft_p50_ms']:.0f}",
+              f"{r['output_tokens_per_s']:.2f}", str(r["failed"])] for name, r in results.items()]
+    header = ["setup", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms", "out tok/s", "failed"]
+    print("\n".join(aligned_rows([header, *table], "<>>>>>")))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -39,6 +39,7 @@ from scripts.cpu_quota import QuotaUnavailable, cpu_quota
 from scripts.export_hf_model import export_hf_model
 from harness.local_daemons import ROOT, decode_node, free_port
 from scripts.peer_aiperf import AiperfUnavailable, AiperfWorkload, run_aiperf
+from loadgen.text_table import text_table
 from scripts.peer_report import ratio_text, value_text
 from scripts.peer_vllm import PeerUnavailable, ensure_installed, vllm_server
 
@@ -121,9 +122,8 @@ def run_system(system: str, cases: list[str], model_dir: Path, tmp: Path, reques
 def format_table(results: dict[str, dict[str, dict]]) -> str:
     cols = (("output_tokens_per_s", "out tok/s"), ("ttft_p50_ms", "TTFT p50"), ("itl_p50_ms", "ITL p50"),
             ("itl_p99_ms", "ITL p99"))
-    head = f"{'case':<9}{'system':<8}{'ok':>6}" + "".join(f"{t:>11}" for _, t in cols) + \
-        f"{'tok/s vs idle':>15}{'ITL p99 vs idle':>17}"
-    lines = [head, "-" * len(head)]
+    header = ["case", "system", "ok", *(title for _, title in cols), "tok/s vs idle", "ITL p99 vs idle"]
+    rows = []
     cases = [c for c in CASES if any(c in r for r in results.values())]
     for case in cases:
         for system, by_case in results.items():
@@ -132,12 +132,12 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
                 continue
             vs = (ratio_text(r["output_tokens_per_s"], idle["output_tokens_per_s"]),
                   ratio_text(r["itl_p99_ms"], idle["itl_p99_ms"])) if idle else ("n/a", "n/a")
-            lines.append(f"{case:<9}{system:<8}{r['completed']:>3}/{r['completed'] + r['failed']:<2}"
-                         + "".join(f"{value_text(r[k]):>11}" for k, _ in cols) + f"{vs[0]:>15}{vs[1]:>17}")
+            rows.append([case, system, f"{r['completed']}/{r['completed'] + r['failed']}",
+                         *(value_text(r[k]) for k, _ in cols), *vs])
         duet, vllm = results.get("duet", {}).get(case), results.get("vllm", {}).get(case)
         if duet and vllm:
-            lines.append(f"{'':<9}{'duet / vLLM':<14}"
-                         + "".join(f"{ratio_text(duet[k], vllm[k]):>11}" for k, _ in cols))
+            rows.append(["", "duet / vLLM", "", *(ratio_text(duet[k], vllm[k]) for k, _ in cols)])
+    lines = text_table(header, rows, "<<" + ">" * (len(header) - 2))
     lines.append(f"{INPUT_TOKENS}-token chat prompts, {OUTPUT_TOKENS} output tokens, concurrency {CONCURRENCY}; "
                  "ms for latencies; ratios below 1 are better for latencies, above 1 for throughput")
     return "\n".join(lines)

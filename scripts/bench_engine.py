@@ -56,6 +56,7 @@ from common.model.checkpoint import load_checkpoint
 from common.model.default_model import default_model_path
 from common.model.decoder import DecoderModel
 from common.serving.dtype_choice import resolve_dtype
+from loadgen.text_table import aligned_rows, text_table
 
 PAGE_SIZE = 16
 DECODE_CONTEXT = 128  # the context of the decode goal
@@ -275,22 +276,23 @@ def run(quick: bool, decode_only: bool = False, dtype: torch.dtype = torch.float
 
 
 def format_table(rows: list[Row], bandwidth: float) -> str:
-    lines = [f"{'measure':<32} {'ours':>9} {'transformers':>13} {'ratio':>7}  {'goal':<8} result", "-" * 80]
+    table = []
     for r in rows:
         if r.kind == "prefill":
-            label, nums = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:>9.1f} {r.theirs:>13.1f}"
+            label, ours, theirs = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:.1f}", f"{r.theirs:.1f}"
         elif r.kind == "dtype":
-            label, nums = f"bf16 / fp32 B={r.size}, ctx {r.context}", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
+            label, ours, theirs = f"bf16 / fp32 B={r.size}, ctx {r.context}", f"{r.ours:.2f}", f"{r.theirs:.2f}"
         else:
-            label, nums = f"decode B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:>9.2f} {r.theirs:>13.2f}"
-        lines.append(f"{label:<32} {nums} {r.ratio:>6.3f}x  {r.goal:<8} {r.verdict}".rstrip())
+            label, ours, theirs = f"decode B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:.2f}", f"{r.theirs:.2f}"
+        table.append([label, ours, theirs, f"{r.ratio:.3f}x", r.goal, r.verdict])
+    lines = text_table(["measure", "ours", "transformers", "ratio", "goal", "result"], table, "<>>><<")
     lines.append("ratio = ours/transformers (median of paired calls); prefill: higher is better, decode: lower;")
     lines.append("the bf16 / fp32 row is ours in bf16 against ours in fp32 (ms/step)")
     lines.append("")
     lines.append(f"decode against the copy bandwidth ({bandwidth:.1f} GB/s here): bytes a step reads / step time")
-    for r in rows:
-        if r.kind == "decode":
-            lines.append(f"  B={r.size:<3d} ctx {r.context:<5d} {r.bandwidth:6.1f} GB/s  {r.bandwidth / bandwidth:6.1%} of the limit")
+    decodes = [[f"B={r.size}", f"ctx {r.context}", f"{r.bandwidth:.1f} GB/s",
+                f"{r.bandwidth / bandwidth:.1%} of the limit"] for r in rows if r.kind == "decode"]
+    lines += ["  " + line for line in aligned_rows(decodes, "<<>>")]
     return "\n".join(lines)
 
 

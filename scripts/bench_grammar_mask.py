@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -17,6 +16,7 @@ import torch
 
 from common.model.default_model import default_model_path
 from common.model.tokenizer import load_tokenizer
+from loadgen.percentiles import percentiles
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
@@ -85,9 +85,10 @@ def main() -> None:
         except ImportError as exc:
             print(f"{name}: not importable ({exc})")
             continue
-        ms = sorted(t * 1e3 for t in times)
-        print(f"{name}: setup {setup * 1e3:.0f} ms, mask per token median {statistics.median(ms):.3f} ms, "
-              f"p90 {ms[int(0.9 * len(ms))]:.3f} ms, max {ms[-1]:.3f} ms, first {times[0] * 1e3:.3f} ms")
+        ms = [t * 1e3 for t in times]
+        median, p90 = percentiles(ms, [50, 90])
+        print(f"{name}: setup {setup * 1e3:.0f} ms, mask per token median {median:.3f} ms, "
+              f"p90 {p90:.3f} ms, max {max(ms):.3f} ms, first {ms[0]:.3f} ms")
 
 
 if __name__ == "__main__":

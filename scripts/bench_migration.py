@@ -39,6 +39,7 @@ import grpc
 import torch
 
 from common.serving.dtype_choice import resolve_dtype
+from loadgen.text_table import aligned_rows
 from protos.duet.v1 import duet_pb2 as pb
 from scripts.bench_transfer import bytes_per_token, time_to_first_token
 from harness.local_daemons import Daemon, decode_node
@@ -196,15 +197,16 @@ def bench(transport: str, contexts: list[int], repeats: int, dtype: str, tmp: Pa
 def format_rows(rows: list[Row], dtype: str) -> str:
     lines = []
     for transport in dict.fromkeys(r.transport for r in rows):
-        lines += [f"--transport {transport}, {dtype}, medians of {rows[0].repeats}   pause: client-seen / "
-                  f"MigrateResponse.pause_seconds; goal at {GOAL_CONTEXT} tokens: pause / re-prefill <= {PAUSE_GOAL}",
-                  f"{'context':>7} {'pause ms':>9} {'node ms':>8} {'Migrate ms':>10} {'KV MB':>7} {'moved':>6}"
-                  f" {'re-prefill ms':>13} {'pause/re-prefill':>16} {'ITL ms':>7} {'exact':>6}"]
-        for r in (r for r in rows if r.transport == transport):
-            goal = f" {'PASS' if r.ratio <= PAUSE_GOAL else 'MISS'}" if r.context == GOAL_CONTEXT else ""
-            lines.append(f"{r.context:>7} {r.pause_ms:>9.0f} {r.pause_seconds_ms:>8.0f} {r.migrate_call_ms:>10.0f}"
-                         f" {r.kv_mb:>7.1f} {r.tokens_moved:>6} {r.reprefill_ms:>13.0f} {r.ratio:>15.2f}x"
-                         f" {r.itl_ms:>7.0f} {r.exact:>6}{goal}")
+        lines.append(f"--transport {transport}, {dtype}, medians of {rows[0].repeats}   pause: client-seen / "
+                     f"MigrateResponse.pause_seconds; goal at {GOAL_CONTEXT} tokens: pause / re-prefill "
+                     f"<= {PAUSE_GOAL}")
+        header = ["context", "pause ms", "node ms", "Migrate ms", "KV MB", "moved", "re-prefill ms", "pause/re-prefill",
+                  "ITL ms", "exact", ""]
+        table = [[str(r.context), f"{r.pause_ms:.0f}", f"{r.pause_seconds_ms:.0f}", f"{r.migrate_call_ms:.0f}",
+                  f"{r.kv_mb:.1f}", str(r.tokens_moved), f"{r.reprefill_ms:.0f}", f"{r.ratio:.2f}x", f"{r.itl_ms:.0f}",
+                  r.exact, ("PASS" if r.ratio <= PAUSE_GOAL else "MISS") if r.context == GOAL_CONTEXT else ""]
+                 for r in rows if r.transport == transport]
+        lines += aligned_rows([header, *table], ">" * (len(header) - 1) + "<")
         lines.append("  where the client-seen pause goes, ms (medians; each step from the previous point):")
         for r in (r for r in rows if r.transport == transport):
             lines.append(f"  {r.context:>5}: " + ", ".join(f"{k} {v:+.0f}" for k, v in r.steps_ms.items()))

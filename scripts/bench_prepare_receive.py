@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from loadgen.percentiles import percentiles
 from protos.duet.v1 import duet_pb2 as pb
 from harness.local_daemons import decode_node
 
 
 def _p50_p99(seconds: list[float]) -> tuple[float, float]:
-    ms = sorted(1000 * x for x in seconds)
-    return statistics.median(ms), ms[int(0.99 * (len(ms) - 1))]
+    """Milliseconds."""
+    p50, p99 = percentiles((1000 * x for x in seconds), [50, 99])
+    return p50, p99
 
 
 def _prepare_latencies(stub, rng: random.Random, calls: int, prompt_len: int, tag: str) -> list[float]:

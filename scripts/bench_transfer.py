@@ -82,6 +82,7 @@ from common.transports import open_receiver, open_sender
 from common.transports.connector import KvSender, WriteWindow
 from common.transports.fences import WriteFences
 from common.transports.nixl.initiator import NixlInitiator
+from loadgen.text_table import text_table
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from harness.local_daemons import Daemon, decode_node, prefill_node
@@ -439,31 +440,24 @@ def bench_ttft(transport: str, single: Daemon, tmp: Path, rng: random.Random, re
 
 
 def format_table(kv: list[KvRow], ttft: list[TtftRow], kv_reps: int, ttft_reps: int) -> str:
-    lines = [
-        f"KV transfer, GB/s (median of {kv_reps})   NIXL path  raw NIXL  memcpy    TCP  socket  post CPU"
-        f"   path/raw (>={RAW_GOAL})  path/memcpy (>={MEMCPY_GOAL})  TCP/socket (>={SOCKET_GOAL})",
-        "-" * 150,
-    ]
-    for r in kv:
-        label = f"{r.layout[:6]} {r.tokens:>5} tok {r.megabytes:5.0f} MB {r.descriptors:>5} descr"
-        lines.append(f"{label:<36} {r.nixl_path:>9.2f} {r.raw_nixl:>9.2f} {r.memcpy:>7.2f} {r.tcp:>6.2f}"
-                     f" {r.tcp_socket:>7.2f} {r.nixl_post_cpu_ms:>6.1f} ms"
-                     f"   {r.path_vs_raw:>6.2f}x {r.raw_verdict:<11}"
-                     f"   {r.path_vs_memcpy:>6.2f}x {r.memcpy_verdict:<13}"
-                     f"   {r.tcp_vs_socket:>6.2f}x {r.socket_verdict}")
-    lines += [
-        "-" * 150,
-        f"TTFT, {TTFT_PROMPT_TOKENS}-tok prompt, ms (median of {ttft_reps})"
-        f"   disagg  single   ratio (<={TTFT_GOAL})   prefill node: prefill / RemoteSend (mean ms)"
-        f"   --verify-kv off  verify cost (<={VERIFY_GOAL:.0%})",
-        "-" * 150,
-    ]
-    for r in ttft:
-        lines.append(f"{'--transport ' + r.transport:<36} {r.disaggregated_ms:>8.0f} {r.single_node_ms:>7.0f}"
-                     f"   {r.ratio:>5.2f}x {r.verdict:<9}   {r.remote_prefill_ms:>6.0f} / {r.remote_send_ms:<6.0f}"
-                     f"                   {r.unverified_ms:>6.0f}  {r.verify_cost:>+6.1%} "
-                     f"{verdict(r.verify_cost <= VERIFY_GOAL)}")
-    return "\n".join(lines)
+    kv_table = text_table(
+        [f"KV transfer, GB/s (median of {kv_reps})", "NIXL path", "raw NIXL", "memcpy", "TCP", "socket", "post CPU",
+         f"path/raw (>={RAW_GOAL})", f"path/memcpy (>={MEMCPY_GOAL})", f"TCP/socket (>={SOCKET_GOAL})"],
+        [[f"{r.layout[:6]} {r.tokens:>5} tok {r.megabytes:5.0f} MB {r.descriptors:>5} descr", f"{r.nixl_path:.2f}",
+          f"{r.raw_nixl:.2f}", f"{r.memcpy:.2f}", f"{r.tcp:.2f}", f"{r.tcp_socket:.2f}", f"{r.nixl_post_cpu_ms:.1f} ms",
+          f"{r.path_vs_raw:.2f}x {r.raw_verdict}", f"{r.path_vs_memcpy:.2f}x {r.memcpy_verdict}",
+          f"{r.tcp_vs_socket:.2f}x {r.socket_verdict}"] for r in kv],
+        "<" + ">" * 6 + "<" * 3)
+    ttft_table = text_table(
+        [f"TTFT, {TTFT_PROMPT_TOKENS}-tok prompt, ms (median of {ttft_reps})", "disagg", "single",
+         f"ratio (<={TTFT_GOAL})", "prefill node: prefill / RemoteSend (mean ms)", "--verify-kv off",
+         f"verify cost (<={VERIFY_GOAL:.0%})"],
+        [[f"--transport {r.transport}", f"{r.disaggregated_ms:.0f}", f"{r.single_node_ms:.0f}",
+          f"{r.ratio:.2f}x {r.verdict}", f"{r.remote_prefill_ms:.0f} / {r.remote_send_ms:.0f}",
+          f"{r.unverified_ms:.0f}", f"{r.verify_cost:+.1%} {verdict(r.verify_cost <= VERIFY_GOAL)}"] for r in ttft],
+        "<>><<><")
+    kv_rule = kv_table[1]
+    return "\n".join([*kv_table, kv_rule, *ttft_table])
 
 
 def main() -> None:

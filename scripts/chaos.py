@@ -58,6 +58,7 @@ from common.model.default_model import default_model_path
 from common.model.decoder import DecoderModel
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
+from loadgen.text_table import markdown_table
 from harness.local_daemons import Daemon
 from harness.reference import FP32, engine_greedy
 from harness.helpers import Background, drain, greedy, status_of
@@ -452,17 +453,17 @@ def _yes_no(v: bool | None) -> str:
 
 
 def table(results: list[Result]) -> str:
-    head = ("| cell | transport | driven by | fault timed | faulted request | completed | tokens exact "
-            "| next request (after restart) | leaked pages | peak out of service (quarantined) | s until whole |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    header = ["cell", "transport", "driven by", "fault timed", "faulted request", "completed", "tokens exact",
+              "next request (after restart)", "leaked pages", "peak out of service (quarantined)", "s until whole"]
+    rows = []
     for r in results:
         outcome = r.outcome + (f" ({r.note})" if r.note else "") + (f"; {r.needs}" if r.needs else "")
         restarted = f"restarted {', '.join(r.restarted)}; " if r.restarted else ""
         whole = "n/a" if r.seconds_until_whole is None else f"{r.seconds_until_whole:.2f}"
-        lines.append(f"| {r.cell} | {r.transport} | {r.driver} | {r.timing} | {outcome} | {r.completed}/{r.requests} "
-                     f"| {_yes_no(r.exact)} | {restarted}{r.next_request} | {r.leaked or 'none'} "
-                     f"| {r.peak_out_of_service} ({r.peak_quarantined}) | {whole} |")
-    return "\n".join(lines)
+        rows.append([r.cell, r.transport, r.driver, r.timing, outcome, f"{r.completed}/{r.requests}", _yes_no(r.exact),
+                     f"{restarted}{r.next_request}", r.leaked or "none",
+                     f"{r.peak_out_of_service} ({r.peak_quarantined})", whole])
+    return "\n".join(markdown_table(header, rows, "<" * len(header)))
 
 
 def main(argv: list[str] | None = None) -> int:

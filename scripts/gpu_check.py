@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -112,7 +113,7 @@ def cuda_seconds(fn: Callable[[], object], reps: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from loadgen.metrics import LatencyStats
 from loadgen.runner import BenchmarkResult
+from loadgen.text_table import text_table
 
 PEER, PEER_NGRAM, PEER_FP32 = "vllm", "vllm-ngram", "vllm-fp32"
 # vLLM's own prefill/decode disaggregation (scripts/peer_vllm_disagg.py): as it comes, where vLLM's
@@ -80,22 +81,21 @@ def loadgen_numbers(result: BenchmarkResult) -> dict:
 def format_table(records: list[dict]) -> str:
     """Rows grouped by workload; under each duet row, its ratio to its vLLM row (`peer_of`) of that
     workload; then what speculation bought each system that speculates."""
-    head = f"{'workload':<16}{'system':<30}{'ok/all':>8}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS)
-    lines = [head, "-" * len(head)]
+    header = ["workload", "system", "ok/all", *(title for _, title, _ in COLUMNS)]
+    table = []
     for workload in dict.fromkeys(r["workload"] for r in records):
         rows = [r for r in records if r["workload"] == workload]
         by_system = {r["system"]: r for r in rows}
         for i, r in enumerate(rows):
             done = f"{r['completed']}/{r['completed'] + r['failed']}"
             name = f"{r['system']} ({r['dtype']})" if r.get("dtype") else r["system"]
-            lines.append(f"{workload if i == 0 else '':<16}{name:<30}{done:>8}"
-                         + "".join(f"{value_text(r[key]):>11}" for key, _, _ in COLUMNS))
+            table.append([workload if i == 0 else "", name, done, *(value_text(r[key]) for key, _, _ in COLUMNS)])
             peers = [] if is_peer(r["system"]) else [by_system[p] for p in peers_of(r["system"]) if p in by_system]
             for peer in peers:
                 title = "  duet / vLLM" if peer["system"] == PEER else f"  duet / {peer['system']}"
-                lines.append(f"{'':<16}{title:<30}{'':>8}"
-                             + "".join(f"{ratio_text(r[key], peer[key]):>11}" for key, _, _ in COLUMNS))
-    lines.append("-" * len(head))
+                table.append(["", title, "", *(ratio_text(r[key], peer[key]) for key, _, _ in COLUMNS)])
+    lines = text_table(header, table, "<<" + ">" * (len(header) - 2))
+    lines.append(lines[1])  # the rule under the header closes the table too
     by_key = {(r["workload"], r["system"]): r for r in records}
     for r in records:
         plain = by_key.get((r["workload"], SPECULATIVE.get(r["system"])))

@@ -65,7 +65,18 @@ def refusals(node: DecodeNode, reason: str) -> float:
     return node.metrics.registry.get_sample_value("duet_admission_refusals_total", {"reason": reason}) or 0.0
 
 
-def assert_pool_whole(node: DecodeNode) -> None:
+def assert_refused_at_once(node: DecodeNode, request_id: str, prompt: list[int], match: str, reason: str) -> None:
+    """PrepareReceive raises RESOURCE_EXHAUSTED without waiting, the first refusal counted for `reason`."""
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted, match=match):
+        node.prepare_receive(request_id, prompt, None)
+    assert time.monotonic() - started < 0.5 and refusals(node, reason) == 1
+
+
+def abort_and_assert_pool_whole(node: DecodeNode, *request_ids: str) -> None:
+    """Abort the requests still held: then no request is left and every page is free or cached."""
+    for request_id in request_ids:
+        node.abort(request_id)
     with node.engine.lock:
         assert not node.requests.counts()
         assert node.engine.allocator.num_free + node.engine.prefix_cache.num_cached_pages == POOL
@@ -74,15 +85,10 @@ def assert_pool_whole(node: DecodeNode) -> None:
 def test_reject_mode_refuses_what_does_not_fit_at_once(model, tokenizer):
     with in_process_node(model, tokenizer) as node:
         node.prepare_receive("hold", _prompt_for(12, 1), None)
-        started = time.monotonic()
-        with pytest.raises(ResourceExhausted, match="needs 5 pages, 4 are available"):
-            node.prepare_receive("big", _prompt_for(5, 2), None)
-        assert time.monotonic() - started < 0.5 and refusals(node, "pages") == 1
+        assert_refused_at_once(node, "big", _prompt_for(5, 2), "needs 5 pages, 4 are available", "pages")
         node.prepare_receive("fits", _prompt_for(4, 3), None)  # exactly the rest of the pool
         assert node.load().queued_requests == 0
-        node.abort("hold")
-        node.abort("fits")
-        assert_pool_whole(node)
+        abort_and_assert_pool_whole(node, "hold", "fits")
 
 
 def test_queue_is_fifo_a_big_head_is_not_starved_by_small_requests(model, tokenizer):
@@ -98,9 +104,7 @@ def test_queue_is_fifo_a_big_head_is_not_starved_by_small_requests(model, tokeni
         assert big.result(timeout=5).kv_window_end == 8 * PAGE
         assert small.result(timeout=5).kv_window_end == 2 * PAGE
         assert node.metrics.registry.get_sample_value("duet_admission_wait_seconds_count") == 2
-        node.abort("big")
-        node.abort("small")
-        assert_pool_whole(node)
+        abort_and_assert_pool_whole(node, "big", "small")
 
 
 def test_running_and_total_token_caps_queue_and_name_the_flag(model, tokenizer):
@@ -113,13 +117,8 @@ def test_running_and_total_token_caps_queue_and_name_the_flag(model, tokenizer):
         with pytest.raises(DeadlineExceeded, match="--max-total-tokens 100"):
             node.prepare_receive("d", random_ids(71, 4), None, deadline=time.monotonic() + 0.3)
         node.prepare_receive("e", random_ids(70, 5), None)  # 30 + 70 tokens: exactly the cap
-        started = time.monotonic()
-        with pytest.raises(ResourceExhausted, match="can never run here"):
-            node.prepare_receive("f", random_ids(101, 6), None)
-        assert time.monotonic() - started < 0.5 and refusals(node, "too_large") == 1
-        node.abort("a")
-        node.abort("e")
-        assert_pool_whole(node)
+        assert_refused_at_once(node, "f", random_ids(101, 6), "can never run here", "too_large")
+        abort_and_assert_pool_whole(node, "a", "e")
 
 
 def test_abort_of_a_waiting_request_ends_its_wait(model, tokenizer):
@@ -130,8 +129,7 @@ def test_abort_of_a_waiting_request_ends_its_wait(model, tokenizer):
         node.abort("w")
         with pytest.raises(Aborted, match="waiting for admission"):
             waiting.result(timeout=5)
-        node.abort("hold")
-        assert_pool_whole(node)
+        abort_and_assert_pool_whole(node, "hold")
 
 
 def test_cached_pages_are_evicted_instead_of_queuing(model, tokenizer):
@@ -148,8 +146,7 @@ def test_cached_pages_are_evicted_instead_of_queuing(model, tokenizer):
         with node.engine.lock:
             assert node.engine.prefix_cache.num_cached_pages <= POOL - 15
         assert node.metrics.registry.get_sample_value("duet_admission_wait_seconds_count") == 0
-        node.abort("new")
-        assert_pool_whole(node)
+        abort_and_assert_pool_whole(node, "new")
 
 
 # ---- end to end, through a real decode node daemon ----

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from protos.duet.v1 import duet_pb2 as pb
-from harness.helpers import Started, drain, greedy, no_leak, random_ids, started_pair, three_calls
+from harness.daemon_fixtures import part_of
+from harness.helpers import drain, greedy, no_leak, random_ids, started_pair, started_side_by_side, three_calls
 from harness.reference import FP32, hf_greedy
 from harness.engine_checks import bf16_ulp, teacher_forced
 from harness.reference import REFERENCE_PROMPTS as PROMPTS
@@ -76,22 +77,13 @@ def test_bf16_rope_tables_are_correctly_rounded(model_bf16):
 @pytest.fixture(scope="module")
 def singles(tmp_path_factory):
     """`single_bf16` and `fp32_prefill`, started side by side."""
-    with Started(tmp_path_factory.mktemp("single_bf16")) as s:
-        both = s.spawn("decode_node", *BF16, "--transport", "tcp"), s.spawn("prefill_node", *FP32, "--transport", "tcp")
-        s.wait()
+    with started_side_by_side(tmp_path_factory.mktemp("single_bf16"), ("decode_node", (*BF16, "--transport", "tcp")),
+                              ("prefill_node", (*FP32, "--transport", "tcp"))) as both:
         yield both
 
 
-@pytest.fixture(scope="module")
-def single_bf16(singles):
-    """A decode node with no prefill node: the single-node bf16 output."""
-    return singles[0]
-
-
-@pytest.fixture(scope="module")
-def fp32_prefill(singles):
-    """A float32 prefill node (TCP)."""
-    return singles[1]
+single_bf16 = part_of("singles", 0, "A decode node with no prefill node: the single-node bf16 output.")
+fp32_prefill = part_of("singles", 1, "A float32 prefill node (TCP).")
 
 
 @pytest.fixture(scope="module", params=["nixl", "tcp"])

@@ -11,7 +11,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.duet.v1 import duet_pb2 as pb
 from harness.local_daemons import decode_node
-from harness.helpers import Started, greedy, random_ids, status_of, wire_slots
+from harness.daemon_fixtures import part_of
+from harness.helpers import greedy, random_ids, started_side_by_side, status_of, wire_slots
 from harness.reference import FP32, hf_greedy
 
 PAGE = 16
@@ -36,21 +37,13 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """`node` and `small_node`, started side by side."""
-    with Started(tmp_path_factory.mktemp("dn")) as s:
-        both = s.spawn("decode_node", *FP32), s.spawn("decode_node", *FP32, "--kv-pages", "64", "--lease-seconds", "1")
-        s.wait()
+    with started_side_by_side(tmp_path_factory.mktemp("dn"), ("decode_node", FP32),
+                              ("decode_node", (*FP32, "--kv-pages", "64", "--lease-seconds", "1"))) as both:
         yield both
 
 
-@pytest.fixture(scope="module")
-def node(nodes):
-    return nodes[0]
-
-
-@pytest.fixture(scope="module")
-def small_node(nodes):
-    """64 pages of 16 tokens and a 1 s lease."""
-    return nodes[1]
+node = part_of("nodes", 0, "A float32 decode node, its other settings the defaults.")
+small_node = part_of("nodes", 1, "64 pages of 16 tokens and a 1 s lease.")
 
 
 def pages_back_to_baseline(d) -> bool:

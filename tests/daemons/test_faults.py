@@ -224,6 +224,20 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def prepare_receive(c: Cluster, rid: str, prompt: list[int]) -> pb.PrepareReceiveResponse:
+    """A reservation for `prompt` under `rid`, its window the default (all but the last token)."""
+    return c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=prompt), timeout=10)
+
+
+def sending(c: Cluster, rid: str, prompt: list[int]) -> tuple[pb.PrepareReceiveResponse, Background]:
+    """A reservation for `prompt` and the RemoteSend filling it, in the background; returned once
+    the prefill node computes it."""
+    r = prepare_receive(c, rid, prompt)
+    send = Background(lambda: remote_send(c, rid, prompt, r))
+    wait_until(lambda: prefill_running(c), 10, "RemoteSend started")
+    return r, send
+
+
 def start_code(c: Cluster, rid: str, r: pb.PrepareReceiveResponse) -> grpc.StatusCode:
     """The status of a StartGeneration for the reservation `r` made under `rid`."""
     return status_of(lambda: c.dn.stub.StartGeneration(pb.StartGenerationRequest(
@@ -239,6 +253,13 @@ def handing_off(c: Cluster) -> bool:
     return c.dn.stub.GetLoad(pb.GetLoadRequest(), timeout=5).kv_pages_reserved > 0
 
 
+def assert_aborted_and_still_serving(c: Cluster, model, rid: str, r: pb.PrepareReceiveResponse, seed: int) -> None:
+    """The aborted reservation `r` cannot start, both nodes are clean, and a fresh request is served."""
+    assert start_code(c, rid, r) == grpc.StatusCode.NOT_FOUND
+    wait_clean(c.dn, c.pn)
+    still_serves(c, model, seed)
+
+
 def still_serves(c: Cluster, model, seed: int) -> None:
     """A fresh three-call flow gives the single-node tokens, then both nodes are clean."""
     prompt = random_ids(40, seed)
@@ -252,33 +273,27 @@ def still_serves(c: Cluster, model, seed: int) -> None:
 
 def test_abort_after_prepare_receive(c, model):
     prompt = random_ids(64, 31)
-    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="ab-prep", token_ids=prompt), timeout=10)
+    r = prepare_receive(c, "ab-prep", prompt)
     c.dn.stub.Abort(pb.AbortRequest(request_id="ab-prep"), timeout=10)
     wait_clean(c.dn, timeout=1)  # pages back at once
     code = status_of(lambda: remote_send(c, "ab-prep", prompt, r))
     assert code in {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED}, code
-    assert start_code(c, "ab-prep", r) == grpc.StatusCode.NOT_FOUND
-    wait_clean(c.dn, c.pn)
-    still_serves(c, model, 32)
+    assert_aborted_and_still_serving(c, model, "ab-prep", r, 32)
 
 
 def test_abort_during_remote_send(c, model):
     prompt = random_ids(300, 33)
-    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="ab-send", token_ids=prompt), timeout=10)
-    send = Background(lambda: remote_send(c, "ab-send", prompt, r))
-    wait_until(lambda: prefill_running(c), 10, "RemoteSend started")
+    r, send = sending(c, "ab-send", prompt)
     time.sleep(0.3)
     c.dn.stub.Abort(pb.AbortRequest(request_id="ab-send"), timeout=10)
     code, _, _ = send.result()
     assert code in {grpc.StatusCode.OK} | CLEAR, code
-    assert start_code(c, "ab-send", r) == grpc.StatusCode.NOT_FOUND
-    wait_clean(c.dn, c.pn)
-    still_serves(c, model, 34)
+    assert_aborted_and_still_serving(c, model, "ab-send", r, 34)
 
 
 def test_abort_during_start_generation_stream(c, model):
     prompt = random_ids(40, 35)
-    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="ab-gen", token_ids=prompt), timeout=10)
+    r = prepare_receive(c, "ab-gen", prompt)
     remote_send(c, "ab-gen", prompt, r)
     stream = c.dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id="ab-gen", kv_window_begin=r.kv_window_end, sampling=greedy(100_000)), timeout=RPC_TIMEOUT_S)
@@ -340,7 +355,7 @@ def test_refused_remote_send_writes_nothing(c, model):
     """A RemoteSend the decode node refuses (unknown request id, made-up nonce) aimed at the slots
     of finished request A, whose full pages sit in the prefix cache: A's KV must stay intact."""
     prompt = random_ids(40, 39)
-    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="victim", token_ids=prompt), timeout=10)
+    r = prepare_receive(c, "victim", prompt)
     remote_send(c, "victim", prompt, r)
     tokens, _ = drain(c.dn.stub.StartGeneration(pb.StartGenerationRequest(
         request_id="victim", kv_window_begin=r.kv_window_end, sampling=greedy(8)), timeout=RPC_TIMEOUT_S))
@@ -373,7 +388,7 @@ def test_late_write_after_lease_expiry(c, model):
     # starts (and passes its BeginTransfer check) 0.8 s before the lease ends, so most of it lands
     # after the pages were reclaimed.
     late_prompt = random_ids(560, 41)
-    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="late", token_ids=late_prompt), timeout=10)
+    r = prepare_receive(c, "late", late_prompt)
     time.sleep(max(0.0, r.lease_deadline_unix - 0.8 - time.time()))
     send = Background(lambda: remote_send(c, "late", late_prompt, r))
     wait_until(lambda: c.dn.metrics()["duet_kv_pages_reserved"] == 0, LEASE_S + 5, "the lease expired")
@@ -415,7 +430,7 @@ def test_abandoned_transfer_lifts_its_fence_at_once(c):
     """A writer that gave up (CompleteTransfer{abandoned}) frees the pages of its aborted
     reservation right away; a wrong nonce cannot. With TCP there is no fence to lift."""
     prompt = random_ids(100, 61)
-    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="abandoned", token_ids=prompt), timeout=10)
+    r = prepare_receive(c, "abandoned", prompt)
     c.dn.stub.BeginTransfer(pb.BeginTransferRequest(request_id="abandoned", transfer_nonce=r.transfer_nonce,
                                                     kv_append_metadata=r.kv_append_metadata), timeout=10)
     c.dn.stub.Abort(pb.AbortRequest(request_id="abandoned"), timeout=10)
@@ -446,7 +461,7 @@ def test_decode_restart_on_same_port(c, model):
     outcomes = []
     for attempt in range(2):
         rid = f"after-restart-{attempt}"
-        r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id=rid, token_ids=prompt), timeout=10)
+        r = prepare_receive(c, rid, prompt)
         started = time.monotonic()
         code = status_of(lambda: remote_send(c, rid, prompt, r, timeout=30))
         outcomes.append((code, round(time.monotonic() - started, 2)))
@@ -475,7 +490,7 @@ def test_hung_decode_node_does_not_stall_other_transfers(c, model):
             request_id="to-hung", token_ids=prompt, kv_window_begin=0, kv_window_end=39, kv_append_metadata=[1, 0, 39],
             decode_address=f"127.0.0.1:{hung.getsockname()[1]}", transfer_nonce=1), timeout=30))
         time.sleep(0.3)
-        r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="beside-hung", token_ids=prompt), timeout=10)
+        r = prepare_receive(c, "beside-hung", prompt)
         started = time.monotonic()
         code = status_of(lambda: remote_send(c, "beside-hung", prompt, r))
         took = time.monotonic() - started
@@ -494,9 +509,7 @@ def test_decode_node_dies_during_remote_send(c, model):
     prompt = random_ids(400, 21)
     spare = c.spawn_decode()  # the replacement (new port) starts while this one is killed
     try:
-        r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="dn-dies", token_ids=prompt), timeout=10)
-        send = Background(lambda: remote_send(c, "dn-dies", prompt, r))
-        wait_until(lambda: prefill_running(c), 10, "RemoteSend started")
+        _, send = sending(c, "dn-dies", prompt)
         time.sleep(0.5)
         c.dn.proc.send_signal(signal.SIGKILL)
         c.dn.proc.wait(10)
@@ -525,9 +538,7 @@ def test_decode_node_dies_during_remote_send(c, model):
 
 def test_prefill_node_dies_during_remote_send(c, model):
     prompt = random_ids(560, 11)
-    r = c.dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="pn-dies", token_ids=prompt), timeout=10)
-    send = Background(lambda: remote_send(c, "pn-dies", prompt, r))
-    wait_until(lambda: prefill_running(c), 10, "RemoteSend started")
+    r, send = sending(c, "pn-dies", prompt)
     time.sleep(0.5)
     c.pn.proc.send_signal(signal.SIGKILL)
     c.pn.proc.wait(10)

@@ -19,6 +19,7 @@ from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint
 from common.openai_http.server import OpenAIFront, _cancel_when_client_leaves
 from protos.duet.v1 import duet_pb2 as pb
 from harness.local_daemons import free_port, router
+from harness.daemon_fixtures import part_of
 from harness.helpers import Started, greedy
 from harness.reference import hf_greedy
 from harness.openai_front import DAEMON_FLAGS, MESSAGES, Front
@@ -42,16 +43,9 @@ def daemons(tmp_path_factory, certs):  # noqa: F811
         yield (dn, pn, Front(port)), (tls_dn, tls_port)
 
 
-@pytest.fixture(scope="module")
-def pair(daemons):
-    """A prefill node and a decode node handing prompts to it, the decode node serving HTTP."""
-    return daemons[0]
-
-
-@pytest.fixture(scope="module")
-def tls_node(daemons):
-    """A decode node serving gRPC and HTTPS with the node certificate of `certs`, and its HTTP port."""
-    return daemons[1]
+pair = part_of("daemons", 0, "A prefill node and a decode node handing prompts to it, the decode node serving HTTP.")
+tls_node = part_of("daemons", 1, "A decode node serving gRPC and HTTPS with the node certificate of `certs`, and its "
+                   "HTTP port.")
 
 
 def grpc_generate(stub, request: pb.GenerateRequest) -> tuple[str, pb.Usage]:
