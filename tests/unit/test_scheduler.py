@@ -8,7 +8,7 @@ import torch
 
 from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
-from common.engine.generation import Chunk, Group, RequestHandle, Usage
+from common.engine.generation import Chunk, FinishReason, Group, RequestHandle, Usage
 from common.engine.scheduler import Scheduler
 from common.errors import ErrorCode
 from harness.helpers import random_ids
@@ -259,8 +259,8 @@ def test_handle_merges_a_samples_waiting_chunks_in_order_and_never_into_an_error
     outputs = handle.group.outputs
     assert handle.next_chunk(timeout=0) is None
     waiting = [Chunk([1], "a", prompt_logprobs=("p",)), Chunk([2], "b", logprobs=("x",)), Chunk([3], "c", index=1),
-               Chunk([4], "d"), Chunk([5], "e", "stop", logprobs=("y",)), Chunk([6], "f", index=1),
-               Chunk([], "", "error", Usage(1, 6, 0), "INTERNAL", "boom", index=1)]
+               Chunk([4], "d"), Chunk([5], "e", FinishReason.STOP, logprobs=("y",)), Chunk([6], "f", index=1),
+               Chunk([], "", FinishReason.ERROR, Usage(1, 6, 0), ErrorCode.INTERNAL, "boom", index=1)]
     for chunk in waiting:
         outputs.put(chunk)
     got = []
