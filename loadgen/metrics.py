@@ -1,11 +1,10 @@
 """Aggregate statistics of a run: throughput, latency percentiles, goodput."""
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import statistics
 
 from loadgen.percentiles import percentiles
 from loadgen.request_result import RequestResult
