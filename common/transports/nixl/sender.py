@@ -13,8 +13,6 @@ recorded when the layer was handed over (the layer's K/V are then really in the 
 """
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from common.kv.pool import KVPool
 from common.transports import TransferError
 from common.transports.nixl.initiator import NixlInitiator, WriteHandle
 from common.transports.pieces import PagePlan, Piece, byte_offset, layer_byte_ranges, page_blocks, plan_pages
+from common.transports.sender_thread import SenderThread
 from protos.duet.v1 import duet_pb2 as pb
 
 
@@ -37,38 +36,28 @@ class _Peer:
     num_slots: int
 
 
-class NixlTransfer:
+class NixlTransfer(SenderThread):
+    """One transfer: the sender thread posts each queued layer as prepared NIXL WRITEs."""
+
     def __init__(self, initiator: NixlInitiator, pool: KVPool, peer: _Peer, timeout_s: float,
                  on_layer_done: Callable[[int], None]) -> None:
-        self._initiator, self._pool, self._peer = initiator, pool, peer
-        self._deadline = time.monotonic() + timeout_s
-        self._on_layer_done = on_layer_done
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._initiator, self._peer = initiator, peer
         self._handles: list[tuple[int, WriteHandle | None]] = []  # posted, not seen DONE; None ends a layer
         self._plans: dict[int, tuple[list[Piece], PagePlan]] = {}  # by id() of a posted piece list
         self.posting_cpu_s = 0.0  # CPU time the sender thread spent posting (the copy, with UCX sm)
-        self._error: TransferError | None = None
-        self._thread = threading.Thread(target=self._post_loop, name="nixl-post", daemon=True)
-        self._thread.start()
-
-    @property
-    def failed(self) -> bool:
-        """A post already failed: the transfer cannot succeed any more."""
-        return self._error is not None
+        self._device_set = not pool.data.is_cuda  # UCX's CUDA transports use the calling thread's device
+        super().__init__(pool, timeout_s, on_layer_done, name="nixl-post")
 
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
         if pieces:
             self._queue.put((layer, pieces, _computed_event(self._pool)))
 
-    def _post_loop(self) -> None:
-        """Post each queued layer. Any failure, not only a refused write (a CUDA error in the
-        event wait, say), is kept for finish(): a sender thread that died silently would let
-        the transfer be confirmed with layers never written."""
-        if self._pool.data.is_cuda:  # UCX's CUDA transports use the calling thread's device
+    def _take(self, item: tuple[int, list[Piece], torch.cuda.Event | None]) -> None:
+        if not self._device_set:
+            self._device_set = True
             self._guarded(lambda: torch.cuda.set_device(self._pool.data.device))
-        while (item := self._queue.get()) is not None:
-            if self._error is None:
-                self._guarded(lambda: self._post(*item))
+        if self._error is None:
+            self._guarded(lambda: self._post(*item))
 
     def _guarded(self, step: Callable[[], None]) -> None:
         try:
@@ -120,14 +109,13 @@ class NixlTransfer:
                 self._on_layer_done(layer)
             return
         try:
-            self._initiator.wait(handle, max(0.0, self._deadline - time.monotonic()))
+            self._initiator.wait(handle, self._remaining())
         except TransferError as exc:
             self._error = self._error or exc
 
     def finish(self) -> None:
         """Wait until every posted write is DONE (or failed); raises TransferError. Idempotent."""
-        self._queue.put(None)
-        self._thread.join()
+        self._stop()
         while self._handles:
             self._finish_write(*self._handles.pop(0))
         if self._error is not None:

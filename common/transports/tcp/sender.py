@@ -2,10 +2,7 @@
 by a sender thread so compute and transfer overlap (wire.py has the format)."""
 from __future__ import annotations
 
-import queue
 import socket
-import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -14,38 +11,28 @@ from common.errors import ErrorCode
 from common.kv.pool import KVPool
 from common.transports import TransferError
 from common.transports.pieces import Piece
+from common.transports.sender_thread import SenderThread
 from common.transports.tcp import wire
 from protos.duet.v1 import duet_pb2 as pb
 
 REFUSAL_WAIT_S = 1.0  # after a failed send, how long a refusal already on its way is waited for
 
 
-class TcpTransfer:
+class TcpTransfer(SenderThread):
     """One transfer. `post_layer` may be called from the forward thread as each layer finishes;
-    a sender thread ships the frames."""
+    the sender thread ships the frames on one connection."""
 
     def __init__(self, address: str, pool: KVPool, request_id: str, nonce: int, timeout_s: float = 30.0,
                  on_layer_done: Callable[[int], None] = lambda layer: None) -> None:
         host, port = address.rsplit(":", 1)
-        self._pool = pool
-        self._on_layer_done = on_layer_done
-        self._deadline = time.monotonic() + timeout_s
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         except OSError as exc:
             raise TransferError(f"cannot reach the KV receiver at {address}: {exc}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().__init__(pool, timeout_s, on_layer_done, name="tcp-kv-send")
         rid = request_id.encode()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: BaseException | None = None
         self._queue.put([memoryview(wire.BEGIN.pack(wire.MAGIC, len(rid), nonce) + rid)])
-        self._thread = threading.Thread(target=self._send_loop, name="tcp-kv-send", daemon=True)
-        self._thread.start()
-
-    @property
-    def failed(self) -> bool:
-        """A send already failed: the transfer cannot succeed any more."""
-        return self._error is not None
 
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
         """Queue the layer's frame: its header, then the K and V rows of the pieces."""
@@ -69,8 +56,7 @@ class TcpTransfer:
     def finish(self) -> None:
         """Send END and wait for the receiver's verdict; raises TransferError."""
         self._queue.put([memoryview(wire.OP.pack(wire.OP_END))])
-        self._queue.put(None)
-        self._thread.join()
+        self._stop()
         try:
             # After a failed send only a refusal already on its way is worth reading.
             self._sock.settimeout(REFUSAL_WAIT_S if self._error else self._remaining())
@@ -95,25 +81,19 @@ class TcpTransfer:
         self._sock.close()
         return True
 
-    def _remaining(self) -> float:
-        """Seconds left before the transfer's deadline (a sliver at least, so a timeout fires)."""
-        return max(0.001, self._deadline - time.monotonic())
-
-    def _send_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            if isinstance(item, int):
-                self._on_layer_done(item)
-                continue
-            try:
-                if callable(item):  # a staged layer: wait for its device-to-host copy
-                    item()
-                    continue
-                self._sock.settimeout(self._remaining())
-                wire.send_all(self._sock, item)
-            except Exception as exc:  # not only OSError: a sender thread must never die silently
-                self._error = exc  # keep draining; finish() reports it (after reading any reply)
+    def _take(self, item: object) -> None:
+        """A layer number (report it sent), a staged layer's wait, or a frame to send."""
+        if isinstance(item, int):
+            self._on_layer_done(item)
+            return
+        try:
+            if callable(item):  # a staged layer: wait for its device-to-host copy
+                item()
+                return
+            self._sock.settimeout(self._remaining())
+            wire.send_all(self._sock, item)
+        except Exception as exc:  # not only OSError: a sender thread must never die silently
+            self._error = exc  # keep draining; finish() reports it (after reading any reply)
 
 
 class TcpSender:
