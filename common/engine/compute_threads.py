@@ -27,7 +27,8 @@ thread and the ceiling the daemon's placement gave it (its CPUs, its cgroup's CP
   one. A thread dropped again right after it was taken back (a neighbour that comes and goes)
   doubles that hold, up to MAX_HOLD_S; one that stays resets it.
 The count is the engine thread's own OpenMP setting (`omp_set_num_threads` acts on the calling
-thread only), which torch's operators and cpu/'s kernels both read, and no other thread's. The
+thread only), which torch's operators and cpu/'s kernels both read, and its own MKL setting
+(`MKL_Set_Num_Threads_Local`), which MKL's products read; no other thread's. The
 results do not depend on it: every kernel splits its work over output rows, tokens or heads,
 never inside a sum (tests/unit/test_compute_threads.py checks logits bit for bit).
 
@@ -59,11 +60,30 @@ MAX_HOLD_S = 60.0  # ... nor, after drops that followed a take-back at once, thi
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _loaded_libraries(*names: str) -> list[str]:
+    """Paths of the shared libraries this process loaded whose path holds one of `names`."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if any(name in line for name in names)})
+
+
 def _openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime this process loaded (torch's libgomp or libiomp), or None."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
-    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+    paths = _loaded_libraries("libgomp", "libiomp")
+    return ctypes.CDLL(paths[0]) if paths else None
+
+
+def _mkl_thread_count() -> Callable[[int], int] | None:
+    """MKL's setter of the calling thread's own count, where the process carries MKL (torch's
+    x86 CPU build links it into libtorch_cpu), or None. MKL's products fork a team of MKL's
+    count, not OpenMP's, so a team shrunk in OpenMP alone still ran its dropped thread in every
+    float32 product MKL computes (a prefill chunk's attention): beside a neighbour that thread
+    waited for a CPU, and the one-thread engine stepped several times slower than one started
+    with a single thread."""
+    for path in _loaded_libraries("libtorch_cpu", "libmkl_rt"):
+        setter = getattr(ctypes.CDLL(path), "MKL_Set_Num_Threads_Local", None)  # the C interface, by value
+        if setter is not None:
+            return setter
+    return None
 
 
 def _name_this_thread(name: str) -> None:
@@ -160,7 +180,14 @@ class ComputeThreads:
         if runtime is None:
             log.warning("compute threads stay at %d: %s", self.ceiling, reason)
             return
-        self._set_threads = runtime.omp_set_num_threads
+        openmp, mkl = runtime.omp_set_num_threads, _mkl_thread_count()
+
+        def set_threads(threads: int) -> None:
+            openmp(threads)
+            if mkl is not None:
+                mkl(threads)
+
+        self._set_threads = set_threads
 
     def after_step(self, busy_s: float, tokens: int) -> None:
         """Account a step of `busy_s` seconds that computed `tokens` tokens (a step that computed

@@ -3,7 +3,10 @@
 the kernels in the engine thread only, and that logits do not depend on it."""
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +154,50 @@ def test_the_count_reaches_the_engine_thread_alone_and_logits_do_not_depend_on_i
     assert counts == [1, 2]
     assert workers >= 2  # the engine thread and the OpenMP worker it started, found by name
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def _other_threads_cpu_ms() -> float:
+    """CPU time of every thread of this process but the calling one, in ms."""
+    me, total = threading.get_native_id(), 0.0
+    for tid in map(int, os.listdir("/proc/self/task")):
+        if tid != me:
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/schedstat") as stat:
+                total += int(stat.read().split()[0]) / 1e6
+    return total
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a dropped thread needs a second CPU to run on")
+def test_a_dropped_thread_stays_out_of_float32_matrix_products() -> None:
+    """MKL's products (a float32 prefill chunk's attention) fork a team of MKL's own count: a
+    team shrunk in OpenMP alone still ran its dropped thread there, and beside a neighbour the
+    one-thread engine waited for it (several times slower under aiperf on 2 cores)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+
+    def products_ms() -> float:
+        """CPU time the other threads spent while this one multiplied."""
+        time.sleep(0.1)  # a worker that spun after its last region has gone to sleep
+        before = _other_threads_cpu_ms()
+        for _ in range(50):
+            a @ b
+        return _other_threads_cpu_ms() - before
+
+    def run() -> tuple[float, float]:
+        torch.set_num_threads(2)
+        team = ComputeThreads(cpu_extension.claim_intra_op_threads(torch.device("cpu")))
+        team.start()
+        two = products_ms()
+        team.decide(step_s={}, stolen=0.9, spare_cores=0.0, now=0.0)
+        assert team.current == 1
+        return two, products_ms()
+
+    outside = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        two, one = _in_engine_thread(run)
+    finally:
+        torch.set_num_threads(outside)
+    assert two > 20.0  # with two threads the worker computes half of each product
+    assert one < 5.0
 
 
 def _cgroup(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
