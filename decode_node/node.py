@@ -194,7 +194,7 @@ class DecodeNode:
         read_back = self.tiers.read_back(request_id, tokens[:-1], deadline) if not scoring else ReadBack()
         with self.engine.lock:
             self.admission.check_room()
-            cached = self.engine.prefix_cache.matched_length(tokens[:-1])
+            cached = self.engine.cached_length(tokens[:-1], len(tokens))
         if prefix_holder is not None and not scoring:
             handle, aborted = self.prefix_fetch.fetch(request_id, tokens, params, cancelled, deadline,
                                                       prefix_holder, cached)

@@ -70,7 +70,7 @@ class PrefixFetch:
         ps = self.engine.page_size
         end = min(holder.cached_tokens, len(tokens) - 1) // ps * ps
         if (self.config.prefix_fetch == "off" or holder.address == self.config.advertise_address
-                or end - cached < self.config.min_remote_prefill_tokens):
+                or end - cached < self.config.min_remote_prefill_tokens or self.engine.long_rope(len(tokens))):
             return None, False
         source = _Holder(self._stub(holder.address), holder.address)
         return self.reservations.generate_remote(request_id, tokens, params, cancelled, deadline,
@@ -96,8 +96,9 @@ class PrefixFetch:
         started = time.perf_counter()
         self.tiers.read_back(req.request_id, tokens, deadline)
         ps = self.engine.page_size
-        with self.engine.lock:
-            pages, matched = self.engine.prefix_cache.match(tokens[: end // ps * ps])
+        with self.engine.lock:  # a longrope prompt's long-factor K/V is never cached
+            long_rope = self.engine.long_rope(len(req.token_ids))
+            pages, matched = ([], 0) if long_rope else self.engine.prefix_cache.match(tokens[: end // ps * ps])
         try:
             if matched < end:
                 raise FailedPrecondition(f"this node holds {matched} of the {end} prompt tokens asked for (whole "

@@ -46,12 +46,14 @@ def assert_pool_whole(s: Scheduler) -> None:
         assert engine.allocator.num_free == engine.allocator.num_pages
 
 
-def full_logits(model: DecoderModel, ids: list[int], scatter: bool = True) -> torch.Tensor:
-    """Logits at every position from one prefill whose K/V land on scattered slots."""
+def full_logits(model: DecoderModel, ids: list[int], scatter: bool = True, long_rope: bool = False) -> torch.Tensor:
+    """Logits at every position from one prefill whose K/V land on scattered slots (`long_rope`:
+    with longrope's long factors)."""
     n = len(ids)
     pool = model.new_pool(num_pages=-(-n // 16) * 2, page_size=16)
     slots = torch.randperm(pool.num_slots)[:n] if scatter else torch.arange(n)
-    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), [SequenceSlice(n, slots)], torch.arange(n))
+    rows = torch.arange(n) + (model.long_rope_offset if long_rope else 0)
+    batch = ForwardBatch(torch.tensor(ids), rows, [SequenceSlice(n, slots)], torch.arange(n))
     return model.forward(batch, pool)
 
 

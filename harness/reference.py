@@ -73,4 +73,5 @@ def engine_greedy_many(model: DecoderModel, prompts: list[list[int]], num_tokens
         for seq, row, out in zip(seqs, logits, tokens):
             out.append(int(row.argmax()))
             seq.token_ids.append(out[-1])
+            engine.outgrow_short_rope(seq)  # longrope: computed again with the long factors
     return tokens

@@ -88,7 +88,7 @@ class PrefillNode:
         self.tracer.event(req.request_id, "transfer_started", decode=req.decode_address)
         transfer.transfer = with_faults(transfer.transfer, self.engine.pool)
         with self.engine.lock:
-            seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]))
+            seq = self.engine.new_sequence(req.request_id, list(req.token_ids[:end]), length=len(req.token_ids))
         skips = layer_skips(self.engine.model.config, begin, end)
         job = PrefillJob(seq, begin, dst, transfer.transfer, skips)
         cached = seq.num_computed

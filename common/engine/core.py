@@ -56,6 +56,8 @@ class Sequence:
     # sent only their window (attention_window.layer_skips); the prefix cache records such pages
     # as partial, and serves them only to queries whose window does not reach them.
     partial_kv_before: int = 0
+    # Longrope: its K/V computed with the long factors (Engine.long_rope); never in the prefix cache.
+    long_rope: bool = False
 
     @property
     def held_pages(self) -> list[int]:
@@ -88,19 +90,37 @@ class Engine:
         """Pages to add so `seq` can hold `num_tokens` positions."""
         return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
 
+    def long_rope(self, length: int) -> bool:
+        """Whether a sequence of `length` tokens computes every position with longrope's long
+        factors (Phi-3 128k, Phi-3.5), as transformers does once a sequence outgrows the original
+        context. The prefix cache holds short-factor K/V only, so such a sequence neither takes
+        from it nor adds to it."""
+        after = self.model.config.long_rope_from
+        return after is not None and length > after
+
     @locked
-    def new_sequence(self, seq_id: str, token_ids: list[int], use_prefix_cache: bool = True) -> Sequence:
+    def new_sequence(self, seq_id: str, token_ids: list[int], use_prefix_cache: bool = True,
+                     length: int | None = None) -> Sequence:
         """A sequence starting from the longest cached prefix; at least the last token is left
-        to compute so its logits exist."""
-        seq = Sequence(seq_id, list(token_ids))
+        to compute so its logits exist. `length`: the tokens the whole prompt has, where
+        `token_ids` is only its head (a prefill node's window), for the rope that length takes."""
+        seq = Sequence(seq_id, list(token_ids), long_rope=self.long_rope(length or len(token_ids)))
         if use_prefix_cache:
             self.attach_cached_prefix(seq)
         return seq
 
     @locked
+    def cached_length(self, token_ids: list[int], length: int | None = None) -> int:
+        """How many leading tokens of `token_ids` the prefix cache would give a new sequence of
+        them (`length` as for new_sequence)."""
+        return 0 if self.long_rope(length or len(token_ids)) else self.prefix_cache.matched_length(token_ids)
+
+    @locked
     def attach_cached_prefix(self, seq: Sequence) -> None:
         """Give a sequence that holds no pages the longest cached prefix of its tokens."""
         assert not seq.pages, "the sequence already holds pages"
+        if seq.long_rope:
+            return
         seq.partial_kv_before = self.prefix_cache.partial_before(seq.token_ids[:-1])
         seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1])
         seq.num_cached = max(seq.num_cached, seq.num_computed)
@@ -137,7 +157,8 @@ class Engine:
         if copy:
             self._copy_slots(parent.pages[full], copy[0], partial)
         return Sequence(seq_id, parent.token_ids[:computed], pages=shared + copy, num_computed=computed,
-                        num_cached=parent.num_cached, partial_kv_before=parent.partial_kv_before)
+                        num_cached=parent.num_cached, partial_kv_before=parent.partial_kv_before,
+                        long_rope=parent.long_rope)
 
     def _copy_slots(self, src_page: int, dst_page: int, n: int) -> None:
         """Copy the first `n` slots of a page, K and V of every layer, into another page."""
@@ -168,7 +189,7 @@ class Engine:
             if n <= 0 or end > len(seq.token_ids):
                 raise ValueError(f"{seq.seq_id}: cannot compute {n} positions from {start} of {len(seq.token_ids)}")
             ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end))
+            positions.append(torch.arange(start, end) + (self.model.long_rope_offset if seq.long_rope else 0))
             every = i in every_position
             if logits and not every and n > 1 and end == len(seq.token_ids):
                 slices += [self._slice(seq, start, end - 1), self._slice(seq, end - 1, end)]
@@ -236,6 +257,7 @@ class Engine:
         prefix cache so later requests can reuse them. Only the leading run of held pages can
         be recorded: a cached page stands for every token before it."""
         held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
+        cache = cache and not seq.long_rope
         if cache and seq.num_computed:
             self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held],
                                      seq.partial_kv_before)
@@ -244,3 +266,15 @@ class Engine:
             self.room_made.notify_all()  # its pages may have turned evictable
         seq.pages = []
         seq.num_computed = seq.partial_kv_before = 0
+
+    @locked
+    def outgrow_short_rope(self, seq: Sequence) -> bool:
+        """Longrope: once `seq` holds more tokens than the original context, its K/V (short
+        factors) goes back, into the prefix cache, and it turns long, to be computed again from its
+        first token, as transformers recomputes its cache at that step. True when it did: the
+        caller schedules that prefill."""
+        if seq.long_rope or not self.long_rope(len(seq.token_ids)):
+            return False
+        self.release(seq)
+        seq.long_rope = True
+        return True

@@ -346,6 +346,9 @@ class Scheduler(EngineLoop):
             return 0
         limit = min(budget, r.params.max_tokens - r.num_generated - 1,
                     self.engine.model.config.max_position_embeddings - len(seq.token_ids) - 1)
+        long_rope_from = self.engine.model.config.long_rope_from
+        if long_rope_from is not None and not seq.long_rope:  # drafts stay short: the switch recomputes
+            limit = min(limit, long_rope_from - len(seq.token_ids))
         draft = self.speculator.propose(seq.token_ids, r.params, limit, r.spec)
         if not draft:
             return 0
@@ -428,6 +431,8 @@ class Scheduler(EngineLoop):
         if reason is None:
             r.group.send(Chunk([token], text, index=r.index, logprobs=logprobs,
                                   prompt_logprobs=r.group.take_prompt_logprobs()))
+            if self.engine.outgrow_short_rope(r.seq):  # it prefills again, as a preempted sample does
+                self.tracer.event(r.request_id, "long_rope_recompute", tokens=len(r.seq.token_ids))
         else:
             self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs)
 

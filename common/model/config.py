@@ -39,7 +39,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
-    # Hugging Face style rope scaling: {"rope_type": "linear"|"llama3", "factor": ..., ...}.
+    # Hugging Face style rope scaling: {"rope_type": "linear"|"llama3"|"yarn"|"longrope", "factor": ..., ...}.
     rope_scaling: dict | None = field(default=None, hash=False)
     # Sliding-window attention (see common/engine/attention_window.py): a query at position i attends
     # keys in (i - sliding_window, i]; None = full causal attention.
@@ -77,7 +77,7 @@ class ModelConfig:
             raise ValueError("layer_windows needs one entry per layer and no model-wide sliding_window")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1]; got {self.partial_rotary_factor}")
-        self.rope(sliding=True)  # an unsupported rope fails at load, not at the first forward
+        self.rope(sliding=True, long=True)  # an unsupported rope fails at load, not at the first forward
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention, None when it attends the whole context."""
@@ -87,10 +87,20 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
-    def rope(self, sliding: bool = False) -> tuple[torch.Tensor, float]:
+    @property
+    def long_rope_from(self) -> int | None:
+        """Longrope (Phi-3 128k, Phi-3.5): a sequence of more tokens than this computes every
+        position with the long factors, a shorter one with the short factors, as transformers
+        does (`rope(long=True)`); None when the model's rope has one set of frequencies."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
+    def rope(self, sliding: bool = False, long: bool = False) -> tuple[torch.Tensor, float]:
         """Inverse RoPE frequencies `[rotary_dim // 2]` with the configured scaling applied, and
-        the factor cos and sin are multiplied by (YaRN's attention factor, else 1), of the full
-        layers or, with `sliding`, of the sliding layers."""
+        the factor cos and sin are multiplied by (YaRN's and longrope's attention factor, else 1),
+        of the full layers or, with `sliding`, of the sliding layers; `long`: longrope's long factors."""
         theta, scaling = self.rope_theta, self.rope_scaling or {}
         if sliding and self.sliding_rope_theta is not None:
             theta, scaling = self.sliding_rope_theta, self.sliding_rope_scaling or {}
@@ -105,7 +115,10 @@ class ModelConfig:
             return _llama3_scaled(inv_freq, scaling).float(), 1.0
         if kind == "yarn":
             return _yarn_scaled(theta, dim, scaling)
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+        if kind == "longrope":
+            return _longrope_scaled(inv_freq, scaling, self.max_position_embeddings, long)
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
+                         "longrope)")
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -147,6 +160,21 @@ def _yarn_scaled(theta: float, dim: int, s: dict) -> tuple[torch.Tensor, float]:
     extrapolate = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
     return inv_freq, float(attention_factor)
+
+
+def _longrope_scaled(inv_freq: torch.Tensor, s: dict, max_positions: int, long: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3) as transformers computes it: each frequency divided by its own short or
+    long factor; cos and sin scaled by sqrt(1 + ln(factor) / ln(original context)), the factor
+    being the context's growth (`max_position_embeddings` over the original) unless given."""
+    original = s["original_max_position_embeddings"]
+    factors = s["long_factor" if long else "short_factor"]
+    if len(factors) != len(inv_freq):
+        raise ValueError(f"longrope needs {len(inv_freq)} factors per set (rotary_dim / 2); got {len(factors)}")
+    factor = s.get("factor") or max_positions / original
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return (inv_freq / torch.tensor(factors, dtype=torch.float64)).float(), float(attention_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -27,7 +27,7 @@ __all__ = ["ForwardBatch", "DecoderModel", "SequenceSlice", "grouped_query_atten
 @dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [T] long: the new tokens of every sequence, concatenated
-    positions: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long: each token's rope row, its position (+ DecoderModel.long_rope_offset)
     slices: list[SequenceSlice]
     logit_rows: torch.Tensor  # [R] long: rows of T whose next-token logits are wanted
 
@@ -73,13 +73,18 @@ class DecoderModel:
         # Soft-capped scores and sinks are computed as transformers' eager attention does.
         self.eager_attention = cfg.attention_softcap is not None or any("sinks" in layer for layer in self.layers)
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        self.rope_tables = {}  # sliding or not -> (cos, sin) `[positions, rotary_dim]`
+        # Longrope: the long factors' rows follow the short ones', so a sequence computing with them
+        # reads row `position + long_rope_offset` (the engine's rope rows, ForwardBatch.positions).
+        self.long_rope_offset = 0 if cfg.long_rope_from is None else cfg.max_position_embeddings
+        self.rope_tables = {}  # sliding or not -> (cos, sin) `[rope rows, rotary_dim]`
         for sliding in {False, cfg.sliding_rope_theta is not None}:
-            inv_freq, factor = cfg.rope(sliding)
-            angles = torch.outer(positions, inv_freq)
-            angles = torch.cat([angles, angles], dim=-1)
-            self.rope_tables[sliding] = tuple(_rope_table(f, angles, dtype, factor).to(device)
-                                              for f in (torch.cos, torch.sin))
+            tables = []
+            for long in (False, True) if self.long_rope_offset else (False,):
+                inv_freq, factor = cfg.rope(sliding, long)
+                angles = torch.outer(positions, inv_freq)
+                angles = torch.cat([angles, angles], dim=-1)
+                tables.append([_rope_table(f, angles, dtype, factor) for f in (torch.cos, torch.sin)])
+            self.rope_tables[sliding] = tuple(torch.cat(rows).to(device) for rows in zip(*tables))
         # Read K/V in place with the CPU kernel when it builds (common/model/paged_attention.py).
         self.attention_kernel = kernel_enabled(self.device, dtype) and not self.eager_attention
         # A bf16 CPU layer's RMSNorm and RoPE as one call each (cpu/bf16_pointwise.cpp), rounding as

@@ -35,6 +35,8 @@ def _ropes(raw: dict) -> dict:
     else:
         full_theta, full_scaling = _rope(params, theta)
         local_theta, local_scaling = raw.get("rope_local_base_freq"), None  # transformers 4.x Gemma 3
+    if full_scaling is not None and "original_max_position_embeddings" in raw:  # Phi-3 keeps it beside the rope
+        full_scaling.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
     out = {"rope_theta": full_theta, "rope_scaling": full_scaling}
     if local_theta is not None and (local_theta, local_scaling) != (full_theta, full_scaling):
         out |= {"sliding_rope_theta": float(local_theta), "sliding_rope_scaling": local_scaling}

@@ -346,6 +346,103 @@ def test_partial_rotary_factor_matches_transformers(tmp_path):
     assert engine_greedy(model, ids[:20], 12, page_size=4) == hf_greedy(hf, ids[:20], 12)
 
 
+LONG_ROPE_FROM = 24  # the longrope model's original context: a 20-token prompt crosses it while decoding
+
+
+def _save_longrope(path: Path, original: int = LONG_ROPE_FROM):
+    """Phi-3 with longrope, as Phi-3.5-mini and the Phi-3 128k models ship, its original context
+    `original` tokens: short and long factors far apart, so computing with the wrong set shows."""
+    half = _COMMON["hidden_size"] // _COMMON["num_attention_heads"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            "original_max_position_embeddings": original,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.7 * i for i in range(half)]}
+    return _save("phi3", path, rope_parameters=rope, original_max_position_embeddings=original)
+
+
+def _hf_generate(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy `generate`: Phi-3's drops its cache and computes the sequence again
+    with the long factors when it outgrows the original context (a plain cache loop does not)."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_longrope_matches_transformers_on_both_sides_of_the_original_context(tmp_path):
+    """Up to the original context every position computes with the short factors, past it with
+    the long ones; a sequence that crosses it while decoding is computed again, as transformers'
+    Phi-3 does, and the tokens show that this matters."""
+    hf = _save_longrope(tmp_path)
+    model = DecoderModel(load_checkpoint(tmp_path))
+    short, long = _prompt(20, 20), _prompt(21, 30)
+    for prompt, past_it in ((short, False), (long, True)):
+        with torch.no_grad():
+            reference = hf(torch.tensor([prompt])).logits[0]
+        assert (full_logits(model, prompt, long_rope=past_it) - reference).abs().max().item() <= 1e-4
+        assert (full_logits(model, prompt, long_rope=not past_it) - reference).abs().max().item() > 1e-2
+        assert engine_greedy(model, prompt, 12, page_size=4) == _hf_generate(hf, prompt, 12)
+    assert hf_greedy(hf, short, 12) != _hf_generate(hf, short, 12)  # the cache kept short would part
+
+
+def test_longrope_config_as_phi_3_5_ships_it(tmp_path):
+    """Phi-3.5's config.json (transformers 4.x): `rope_scaling` {"type": "longrope", factors}
+    with `original_max_position_embeddings` beside it; loads as transformers 5 reads it."""
+    _save_longrope(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw |= {"rope_theta": rope["rope_theta"], "rope_scaling": {"type": "longrope", "short_factor": rope["short_factor"],
+                                                               "long_factor": rope["long_factor"]}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    model = DecoderModel(load_checkpoint(tmp_path))
+    assert model.config.long_rope_from == LONG_ROPE_FROM
+    prompt = _prompt(22, 30)
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0]
+    assert (full_logits(model, prompt, long_rope=True) - reference).abs().max().item() <= 1e-4
+
+
+def test_longrope_across_the_hand_off_and_the_prefix_cache(tmp_path):
+    """Both nodes pick the factors from the whole prompt's length; long-factor K/V is never
+    cached (the cache's pages hold short-factor K/V: a prompt's head must not reuse its long
+    pages), short-factor K/V still is."""
+    hf = _save_longrope(tmp_path / "model")
+    common = (*FP32, "--model", str(tmp_path / "model"), "--transport", "tcp", "--threads", "1", "--page-size", "4")
+    long = _prompt(21, 30)
+    short = long[:20]
+    with started_pair(tmp_path, common, (*common, "--min-remote-prefill-tokens", "1")) as (dn, pn):
+        computed = []  # by the prefill node, of each request
+        for request_id, prompt in (("long", long), ("long-again", long), ("short", short), ("short-again", short)):
+            before = pn.metrics()["duet_prefill_computed_tokens_total"]
+            assert _generate(dn, request_id, prompt) == _hf_generate(hf, prompt, 12), request_id
+            computed.append(pn.metrics()["duet_prefill_computed_tokens_total"] - before)
+        assert computed[:3] == [len(long) - 1, len(long) - 1, len(short) - 1]
+        assert computed[3] < len(short) - 1 - 8  # the short prompt's K/V was cached
+        assert no_leak(dn) and no_leak(pn)
+
+
+@pytest.mark.parametrize(("original", "prompt_len", "max_tokens", "migrate_at"),
+                         [(LONG_ROPE_FROM, 22, 16, 5), (48, 8, 48, 0)])  # outgrown on the source; on the target
+def test_longrope_request_migrates_mid_stream(original, prompt_len, max_tokens, migrate_at, tmp_path):
+    """A migrated longrope request goes on as transformers' `generate`, whichever node it
+    outgrows the original context on: the target takes the factors from the sequence's length,
+    as the source held them."""
+    hf = _save_longrope(tmp_path / "model", original)
+    flags = (*FP32, "--model", str(tmp_path / "model"), "--transport", "tcp", "--threads", "1", "--page-size", "4")
+    prompt = _prompt(23, prompt_len)
+    with Started(tmp_path) as s:
+        a, b = s.spawn("decode_node", *flags), s.spawn("decode_node", *flags)
+        s.wait()
+        tokens, moved = [], None
+        for i, chunk in enumerate(a.stub.Generate(pb.GenerateRequest(request_id="moving", token_ids=prompt,
+                                                                     sampling=greedy(max_tokens)))):
+            tokens += chunk.token_ids
+            if i == migrate_at:
+                moved = a.stub.Migrate(pb.MigrateRequest(request_id="moving", target_address=b.address))
+        assert moved is not None and moved.tokens_moved > 0
+        assert (moved.tokens_moved > original) == (migrate_at > 0)  # the positions moved
+        assert tokens == _hf_generate(hf, prompt, max_tokens)
+        assert no_leak(a) and no_leak(b)
+
+
 def test_qwen3_gguf_loads_as_its_hugging_face_directory(tmp_path):
     """A Qwen3 GGUF (llama.cpp's tensor and key names, written here from the tiny checkpoint)
     loads to the same model: greedy tokens identical to transformers."""
