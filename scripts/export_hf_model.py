@@ -19,7 +19,7 @@ from common.model.config import ModelConfig
 from common.model.tokenizer import load_tokenizer
 
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}  # what a GGUF file loads as (common/model/gguf_loader.py)
+                     "qwen3": "Qwen3ForCausalLM"}  # the families whose config.json hf_config writes
 
 
 def hf_config(config: ModelConfig, bos_token_id: int | None, eos_token_id: int) -> dict:
@@ -45,6 +45,9 @@ def export_hf_model(out_dir: Path, gguf: Path | None = None) -> Path:
     """`out_dir` holding the model of `gguf` (default: the embedded one), dequantized to fp32."""
     gguf = gguf or default_model_path()
     checkpoint = load_gguf(gguf)
+    if checkpoint.config.architecture not in _HF_ARCHITECTURES:
+        raise ValueError(f"{gguf}: a GGUF of {checkpoint.config.architecture} is not exported; "
+                         f"only of {', '.join(_HF_ARCHITECTURES)}")
     tokenizer = load_tokenizer(gguf)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.contiguous() for name, t in checkpoint.tensors.items()

@@ -95,7 +95,7 @@ def _split_gpt_oss_experts(tensors: dict[str, torch.Tensor], raw: dict) -> dict[
     unpacked = {}
     for name, t in out.items():
         prefix, dot, kind = name.rpartition("mlp.experts.")
-        if not dot:
+        if not dot or kind.partition(".")[0].isdigit():  # not an expert's, or one expert's already (a GGUF's)
             unpacked[name] = t
             continue
         for e in range(t.shape[0]):

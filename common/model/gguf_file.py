@@ -35,6 +35,7 @@ _ELEMENTS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.
 class GgufTensor:
     name: str
     tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # of the tensor's values, slowest-varying dimension first (as numpy's)
     data: np.ndarray  # read-only view into the file: elements, or bytes of quantized blocks
 
 
@@ -101,4 +102,4 @@ class GgufFile:
             block_size, type_size = GGML_QUANT_SIZES[kind]
             data = np.frombuffer(self._buf, np.uint8, elements // block_size * type_size,
                                  data_start + offset).reshape(quant_shape_to_byte_shape(shape, kind))
-        return GgufTensor(name, kind, data)
+        return GgufTensor(name, kind, shape, data)

@@ -1,115 +1,135 @@
-"""Load a GGUF file of the llama, qwen2 or qwen3 architecture: metadata to ModelConfig, tensors
-dequantized to fp32 and named as the Hugging Face checkpoint of the same family names them."""
+"""Load a GGUF file (llama.cpp's format) of an architecture in common/model/gguf_arch.py: the
+metadata read into the config.json its Hugging Face checkpoint would have, which becomes a
+ModelConfig the way common/model/hf_loader.py makes one; the tensors dequantized to fp32, what
+llama.cpp's converter changed undone, and named as the family's Hugging Face checkpoint names them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import Keys
 
 from common.model.checkpoint import Checkpoint, hash_files
-from common.model.config import ModelConfig
-from common.model.gguf_file import GgufFile
+from common.model.family import canonical_tensors
+from common.model.gguf_arch import UNSUPPORTED_TENSORS, GgufArch, Metadata, architecture_of
+from common.model.gguf_file import GgufFile, GgufTensor
+from common.model.hf_loader import FULL, SLIDING, model_config
 
-# GGUF architectures we read, and the Hugging Face architecture each corresponds to.
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K}
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+_SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K,
+                     Q.MXFP4}
+# GGUF metadata keys read as they are into config.json's keys of the same meaning.
+_KEYS = {
+    Keys.LLM.BLOCK_COUNT: "num_hidden_layers", Keys.LLM.EMBEDDING_LENGTH: "hidden_size",
+    Keys.LLM.FEED_FORWARD_LENGTH: "intermediate_size", Keys.LLM.CONTEXT_LENGTH: "max_position_embeddings",
+    Keys.Attention.HEAD_COUNT: "num_attention_heads", Keys.Attention.HEAD_COUNT_KV: "num_key_value_heads",
+    Keys.Attention.LAYERNORM_RMS_EPS: "rms_norm_eps", Keys.Rope.FREQ_BASE: "rope_theta",
+    Keys.Attention.SLIDING_WINDOW: "sliding_window",
+    Keys.LLM.ATTN_LOGIT_SOFTCAPPING: "attn_logit_softcapping",
+    Keys.LLM.FINAL_LOGIT_SOFTCAPPING: "final_logit_softcapping",
+    # Granite's multipliers (the converter renames `*_multiplier` to `*_scale`)
+    Keys.Attention.SCALE: "attention_multiplier", Keys.LLM.EMBEDDING_SCALE: "embedding_multiplier",
+    Keys.LLM.RESIDUAL_SCALE: "residual_multiplier", Keys.LLM.LOGIT_SCALE: "logits_scaling",
+    Keys.LLM.EXPERT_COUNT: "num_local_experts", Keys.LLM.EXPERT_USED_COUNT: "num_experts_per_tok",
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: "moe_intermediate_size", Keys.LLM.EXPERT_WEIGHTS_NORM: "norm_topk_prob",
 }
 
 
-def _config(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    arch = fields.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
-    hidden = int(fields.get(f"{arch}.embedding_length"))
-    heads = int(fields.get(f"{arch}.attention.head_count"))
-    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens"))
-    rope_scaling = None
-    scaling_type = fields.get(f"{arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(fields.get(f"{arch}.rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF files with per-frequency rope factors (rope_freqs) are not supported; "
-                         "load the Hugging Face directory of this model instead")
-    window = fields.get(f"{arch}.attention.sliding_window")  # llama.cpp's key, when it writes one
-    return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(fields.get(f"{arch}.feed_forward_length")),
-        num_layers=int(fields.get(f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(fields.get(f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(fields.get(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(fields.get(f"{arch}.context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        rope_scaling=rope_scaling,
-        sliding_window=None if window is None else int(window),
-    )
+def _rope_scaling(meta: Metadata) -> dict | None:
+    kind = meta.get(Keys.Rope.SCALING_TYPE)
+    if kind in (None, "none"):
+        return None
+    factor = float(meta.get(Keys.Rope.SCALING_FACTOR))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        yarn = {"beta_fast": Keys.Rope.SCALING_YARN_BETA_FAST, "beta_slow": Keys.Rope.SCALING_YARN_BETA_SLOW,
+                "attention_factor": Keys.Rope.SCALING_YARN_ATTN_FACTOR}
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": int(meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN))} | {
+            name: float(meta.get(key)) for name, key in yarn.items() if meta.get(key) is not None}
+    raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+
+
+def hf_config(meta: Metadata, arch: GgufArch, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The config.json of the Hugging Face checkpoint this GGUF file was converted from, as far
+    as the model's forward needs it; `shapes`: each tensor's shape by its GGUF name."""
+    raw = arch.defaults | {name: meta.get(key) for key, name in _KEYS.items() if meta.get(key) is not None}
+    layers = raw["num_hidden_layers"]
+    experts = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
+    model_type = arch.moe_model_type if experts and arch.moe_model_type else arch.model_type
+    raw |= {
+        "model_type": model_type,
+        "vocab_size": shapes["token_embd.weight"][0],
+        "head_dim": meta.head_dim(),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "rope_scaling": _rope_scaling(meta),
+        "sliding_window": raw.get("sliding_window") or None,  # Phi-3's converter writes 0 for none
+    }
+    raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+    raw.setdefault("rope_theta", 10000.0)
+    if (rotary := meta.get(Keys.Rope.DIMENSION_COUNT)) is not None and rotary != raw["head_dim"]:
+        raw["partial_rotary_factor"] = rotary / raw["head_dim"]
+    if experts:
+        raw["mlp_only_layers"] = [i for i in range(layers) if i not in experts]
+    if raw["sliding_window"]:
+        raw["layer_types"] = [SLIDING if s else FULL for s in _sliding_layers(meta, arch, layers)]
+    if arch.config is not None:
+        raw |= arch.config(meta, raw)
+    return raw
+
+
+def _sliding_layers(meta: Metadata, arch: GgufArch, layers: int) -> list[bool]:
+    """Which layers slide: the file's `sliding_window_pattern`, else llama.cpp's fixed pattern
+    for the architecture, else every layer."""
+    pattern = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    if pattern is not None:
+        return [bool(s) for s in pattern]
+    n = arch.swa_period
+    return [n is None or i % n < n - 1 for i in range(layers)]
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of Q/K rows so rotate-half RoPE applies."""
+    """Undo the converter's interleaving of each head's Q/K rows, so rotate-half RoPE applies."""
     out, inp = w.shape[0], int(np.prod(w.shape[1:]))
     hd = out // n_head
     return w.reshape(n_head, hd // 2, 2, inp).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    if name.startswith("blk."):
-        _, layer, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-    return None
+def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str) -> dict[str, torch.Tensor]:
+    """One GGUF tensor as the Hugging Face tensors it came from (several for stacked experts)."""
+    name = arch.hf_name(t.name)
+    if name is None:
+        raise ValueError(f"{source}: unexpected tensor {t.name!r} for a GGUF of {arch.model_type}")
+    if t.tensor_type not in _SUPPORTED_QUANTS:
+        raise ValueError(f"{source}: tensor {t.name} has unsupported type {t.tensor_type.name}")
+    # F32 data comes back as a read-only memmap: dequantize() copies it.
+    w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if arch.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        w = _unpermute(w, raw["num_attention_heads"])
+    elif arch.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        w = _unpermute(w, raw["num_key_value_heads"])
+    if arch.norm_shift and name.endswith("norm.weight"):
+        w -= arch.norm_shift
+    if "{e}" in name:
+        return {name.format(e=e): torch.from_numpy(w[e].copy()) for e in range(w.shape[0])}
+    return {name: torch.from_numpy(w)}
 
 
 def load_gguf(path: str | Path) -> Checkpoint:
+    """The checkpoint of a GGUF file, as load_hf_dir gives that of the directory it was converted from."""
     path = Path(path)
     reader = GgufFile(path)
-    config = _config(reader.fields, {t.name for t in reader.tensors})
+    arch_name, arch = architecture_of(reader.fields)  # refuse before reading anything else
+    if refused := sorted(t.name for t in reader.tensors if t.name.split(".")[0] in UNSUPPORTED_TENSORS):
+        raise ValueError(f"{path.name}: GGUF files with per-frequency rope factors ({', '.join(refused)}) are not "
+                         "supported; load the Hugging Face directory of this model instead")
+    raw = hf_config(Metadata(reader.fields, arch_name), arch, {t.name: t.shape for t in reader.tensors})
+    config = model_config(raw)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None:
-            raise ValueError(f"{path.name}: unexpected tensor {t.name!r}")
-        if t.tensor_type not in _SUPPORTED_QUANTS:
-            raise ValueError(f"{path.name}: tensor {t.name} has unsupported type {t.tensor_type.name}")
-        # F32 data comes back as a read-only memmap: dequantize() copies it.
-        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if config.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, config.num_heads)
-        elif config.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, config.num_kv_heads)
-        tensors[name] = torch.from_numpy(w)
-    return Checkpoint(config, tensors, hash_files([path]), path)
+        tensors |= _weights(t, arch, raw, path.name)
+    return Checkpoint(config, canonical_tensors(raw["model_type"], tensors, raw), hash_files([path]), path)

@@ -73,7 +73,8 @@ def _text_model(raw: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict
     return text, renamed
 
 
-def _config(raw: dict) -> ModelConfig:
+def model_config(raw: dict) -> ModelConfig:
+    """The ModelConfig of a config.json (of a text model; see _text_model)."""
     model_type = raw.get("model_type")
     family = family_of(model_type)
     raw = family.config_defaults | raw
@@ -141,7 +142,7 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
         # Integer tensors (gpt-oss's MXFP4 blocks and scales) stay as they are, for the family to decode.
         tensors.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(f).items()})
     raw, tensors = _text_model(raw, tensors)
-    config = _config(raw)
+    config = model_config(raw)
     model_hash = hash_files(files)
     # The KV depends on the windows: nodes must agree (the compatibility fingerprint compares the hash).
     if config.sliding_window is not None:

@@ -3,7 +3,8 @@ builds and saves in the test (nothing downloaded): logits and greedy tokens in f
 node and across the hand-off between daemons, bfloat16 agreement as tests/daemons/test_bf16.py states it.
 
 Llama (with llama3 rope scaling), Mistral and Qwen2 have their own tests in
-tests/unit/test_model_vs_transformers.py and tests/daemons/test_sliding_window.py.
+tests/unit/test_model_vs_transformers.py and tests/daemons/test_sliding_window.py; the families'
+GGUF files theirs in tests/unit/test_gguf_families.py.
 """
 from __future__ import annotations
 
@@ -21,59 +22,17 @@ from protos.duet.v1 import duet_pb2 as pb
 from harness.helpers import Started, greedy, no_leak, random_ids, started_pair
 from harness.reference import FP32, engine_greedy, hf_greedy
 from harness.engine_checks import bf16_ulp, full_logits, teacher_forced
+from harness.tiny_families import COMMON as _COMMON
+from harness.tiny_families import FULL, PROMPT, SLIDING, VOCAB, WINDOW
+from harness.tiny_families import configs as _configs
+from harness.tiny_families import save_tiny as _save
+from harness.tiny_families import tiny_prompt as _prompt
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB, WINDOW, PROMPT = 320, 8, 40  # prompts several windows long
-SLIDING, FULL = "sliding_attention", "full_attention"
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
-               pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_EXPERTS = dict(num_experts_per_tok=2)
-
-
-def _configs() -> dict:
-    t = transformers
-    return {
-        "qwen3": lambda: t.Qwen3Config(**_COMMON, head_dim=16),
-        "gemma2": lambda: t.Gemma2Config(**_COMMON, head_dim=16, sliding_window=WINDOW),
-        "gemma3_text": lambda: t.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=WINDOW,
-                                                  layer_types=[SLIDING, FULL, SLIDING]),
-        "phi3": lambda: t.Phi3Config(**_COMMON),
-        "granite": lambda: t.GraniteConfig(**_COMMON, embedding_multiplier=3.0, attention_multiplier=0.2,
-                                           residual_multiplier=0.5, logits_scaling=2.0),
-        "olmo2": lambda: t.Olmo2Config(**_COMMON),
-        "mixtral": lambda: t.MixtralConfig(**_COMMON, **_EXPERTS, num_local_experts=4),
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(**_COMMON, **_EXPERTS, num_experts=4, moe_intermediate_size=32,
-                                              head_dim=16, norm_topk_prob=True, mlp_only_layers=[1]),
-        "gpt_oss": lambda: t.GptOssConfig(**_COMMON, **_EXPERTS, num_local_experts=4, head_dim=16,
-                                          sliding_window=WINDOW),
-    }
-
 
 FAMILIES = list(_configs())
 HYBRID = {"gemma2", "gemma3_text", "gpt_oss"}  # sliding and full layers mixed
 MOE = {"mixtral", "qwen3_moe", "gpt_oss"}
-
-
-def _save(name: str, path: Path, **overrides):
-    """The family's tiny random model (config values `overrides` changed), saved with a word-level
-    tokenizer.json; returned in eval mode. Norm weights, biases and sinks are drawn too (random
-    init leaves them at 0 or 1, where a misplaced `1 +` or a dropped bias would not show)."""
-    from tokenizers import Tokenizer, models
-
-    torch.manual_seed(1)
-    config = _configs()[name]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for param_name, param in hf.named_parameters():
-            if "norm" in param_name or param_name.endswith(("bias", "sinks")):
-                param.normal_(0.0, 0.5)
-    hf.save_pretrained(path)
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(path / "tokenizer.json"))
-    return hf
 
 
 _BUILT: dict[str, tuple] = {}
@@ -100,10 +59,6 @@ def hybrid(request, tmp_path_factory):
 @pytest.fixture(scope="module", params=sorted(MOE))
 def moe(request, tmp_path_factory):
     return _built(request.param, tmp_path_factory)
-
-
-def _prompt(seed: int, n: int = PROMPT) -> list[int]:
-    return random_ids(n, seed, low=3, high=VOCAB)
 
 
 def test_logits_and_greedy_tokens_match_transformers(family):
@@ -441,43 +396,6 @@ def test_longrope_request_migrates_mid_stream(original, prompt_len, max_tokens, 
         assert (moved.tokens_moved > original) == (migrate_at > 0)  # the positions moved
         assert tokens == _hf_generate(hf, prompt, max_tokens)
         assert no_leak(a) and no_leak(b)
-
-
-def test_qwen3_gguf_loads_as_its_hugging_face_directory(tmp_path):
-    """A Qwen3 GGUF (llama.cpp's tensor and key names, written here from the tiny checkpoint)
-    loads to the same model: greedy tokens identical to transformers."""
-    import gguf
-
-    hf = _save("qwen3", tmp_path)
-    cfg = hf.config
-    writer = gguf.GGUFWriter(tmp_path / "qwen3.gguf", "qwen3")
-    for key, value in (("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
-                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
-                       ("attention.head_count", cfg.num_attention_heads), ("vocab_size", VOCAB),
-                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim)):
-        writer.add_uint32(f"qwen3.{key}", value)
-    writer.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    writer.add_float32("qwen3.rope.freq_base", cfg.rope_parameters["rope_theta"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, t in hf.state_dict().items():
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            name = f"blk.{layer}.{names[rest.removesuffix('.weight')]}.weight"
-        else:
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[name]
-        writer.add_tensor(name, t.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    model = DecoderModel(load_checkpoint(tmp_path / "qwen3.gguf"))
-    assert model.config.architecture == "qwen3"
-    prompt = _prompt(14)
-    assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):

@@ -18,7 +18,7 @@ from common.engine.core import Engine
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.model.checkpoint import Checkpoint, load_checkpoint
-from common.model.hf_loader import _config
+from common.model.hf_loader import model_config as _config
 from common.model.decoder import DecoderModel
 from common.model.tokenizer import load_tokenizer
 from protos.duet.v1 import duet_pb2 as pb
