@@ -16,11 +16,9 @@ import jinja2
 import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import decoders
 
-from common.model.gguf_file import GgufFile
-
-GGUF_CONTROL_TOKEN = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+from common.model.gguf_tokenizer import read_gguf_tokenizer
 
 
 class Tokenizer:
@@ -44,45 +42,12 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The byte-level BPE tokenizer of a GGUF file with `tokenizer.ggml.model == "gpt2"`.
-
-        Pre-tokenization is llama.cpp's for `tokenizer.ggml.pre == "smollm"`: every digit on its
-        own, then the GPT-2 regex. Other pre-tokenizers split differently and are refused.
-        """
-        value = GgufFile(path).fields.get
-
-        kind = value("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{path}: unsupported tokenizer.ggml.model {kind!r}; only 'gpt2' (byte-level BPE) is")
-        pre = value("tokenizer.ggml.pre")
-        if pre != "smollm":
-            raise ValueError(f"{path}: unsupported tokenizer.ggml.pre {pre!r}; only 'smollm' is")
-        tokens: list[str] = value("tokenizer.ggml.tokens")
-        merges = [tuple(merge.split(" ", 1)) for merge in value("tokenizer.ggml.merges")]
-        backend = tokenizers.Tokenizer(
-            models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges)
-        )
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-        backend.decoder = decoders.ByteLevel()
-        token_types = value("tokenizer.ggml.token_type")
-        backend.add_special_tokens(
-            [
-                AddedToken(token, special=True, normalized=False)
-                for token, token_type in zip(tokens, token_types)
-                if token_type == GGUF_CONTROL_TOKEN
-            ]
-        )
-        return cls(
-            backend,
-            eos_token_id=value("tokenizer.ggml.eos_token_id"),
-            bos_token_id=value("tokenizer.ggml.bos_token_id"),
-            chat_template=value("tokenizer.chat_template"),
-        )
+        """The tokenizer a GGUF file carries: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with
+        one of the pre-tokenizers in `gguf_tokenizer.PRE_TOKENIZERS`, or SentencePiece (`"llama"`);
+        others are refused (common/model/gguf_tokenizer.py)."""
+        found = read_gguf_tokenizer(path)
+        return cls(found.backend, eos_token_id=found.eos_token_id, bos_token_id=found.bos_token_id,
+                   chat_template=found.chat_template)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -157,6 +122,9 @@ class Tokenizer:
                 table.append(bytes(_BYTE_OF_CHAR[c] for c in piece))
             elif (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
                 table.append(bytes([int(byte.group(1), 16)]))
+            elif not byte_level and token_id not in self.special_token_ids and "\u2581" in piece:
+                # SentencePiece: decoding a lone token would strip the space its `▁` stands for.
+                table.append(piece.replace("\u2581", " ").encode())
             else:
                 table.append(self.decode([token_id]).encode())
         return table

@@ -140,7 +140,7 @@ def test_no_chat_template_is_a_clear_error():
 
 @pytest.mark.parametrize(
     "model, pre, complaint",
-    [("llama", "default", "tokenizer.ggml.model 'llama'"), ("gpt2", "qwen2", "tokenizer.ggml.pre 'qwen2'")],
+    [("bert", "default", "tokenizer.ggml.model 'bert'"), ("gpt2", "deepseek-coder", "tokenizer.ggml.pre 'deepseek-coder'")],
 )
 def test_unsupported_gguf_tokenizer_is_rejected(tmp_path, model, pre, complaint):
     path = tmp_path / "other.gguf"
