@@ -39,16 +39,21 @@ def configs() -> dict:
 
 
 def save_tiny(name: str, path: Path, **overrides):
-    """The family's tiny random model (config values `overrides` changed), saved with a word-level
-    tokenizer.json; returned in eval mode. Norm weights, biases and sinks are drawn too (random
-    init leaves them at 0 or 1, where a misplaced `1 +` or a dropped bias would not show)."""
+    """The family's tiny random model (config values `overrides` changed), saved as save_model saves it."""
+    config = configs()[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return save_model(config, path)
+
+
+def save_model(config, path: Path):
+    """A random model of this transformers config, saved with a word-level tokenizer.json; returned
+    in eval mode. Norm weights, biases and sinks are drawn too (random init leaves them at 0 or 1,
+    where a misplaced `1 +` or a dropped bias would not show)."""
     import transformers
     from tokenizers import Tokenizer, models
 
     torch.manual_seed(1)
-    config = configs()[name]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for param_name, param in hf.named_parameters():

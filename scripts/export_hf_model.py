@@ -48,6 +48,10 @@ def export_hf_model(out_dir: Path, gguf: Path | None = None) -> Path:
     if checkpoint.config.architecture not in _HF_ARCHITECTURES:
         raise ValueError(f"{gguf}: a GGUF of {checkpoint.config.architecture} is not exported; "
                          f"only of {', '.join(_HF_ARCHITECTURES)}")
+    if (checkpoint.config.rope_scaling or {}).get("rope_type") == "frequency_factors":
+        raise ValueError(f"{gguf}: its rope is per-frequency factors (rope_freqs), which no config.json holds: the "
+                         "converter wrote no `llama3` scaling parameters to recover; use the model's Hugging Face "
+                         "directory instead")
     tokenizer = load_tokenizer(gguf)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.contiguous() for name, t in checkpoint.tensors.items()

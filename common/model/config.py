@@ -39,7 +39,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
-    # Hugging Face style rope scaling: {"rope_type": "linear"|"llama3"|"yarn"|"longrope", "factor": ..., ...}.
+    # Hugging Face style rope scaling: {"rope_type": "linear"|"llama3"|"yarn"|"longrope", "factor": ..., ...}, or
+    # {"rope_type": "frequency_factors", "factors": [...]}: a GGUF's `rope_freqs` tensor, one divisor per frequency.
     rope_scaling: dict | None = field(default=None, hash=False)
     # Sliding-window attention (see common/engine/attention_window.py): a query at position i attends
     # keys in (i - sliding_window, i]; None = full causal attention.
@@ -117,8 +118,10 @@ class ModelConfig:
             return _yarn_scaled(theta, dim, scaling)
         if kind == "longrope":
             return _longrope_scaled(inv_freq, scaling, self.max_position_embeddings, long)
+        if kind == "frequency_factors":  # what llama.cpp's converter made of Llama 3.1's `llama3` scaling
+            return _divided(inv_freq, scaling["factors"], "frequency_factors").float(), 1.0
         raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
-                         "longrope)")
+                         "longrope, frequency_factors)")
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -167,14 +170,21 @@ def _longrope_scaled(inv_freq: torch.Tensor, s: dict, max_positions: int, long: 
     long factor; cos and sin scaled by sqrt(1 + ln(factor) / ln(original context)), the factor
     being the context's growth (`max_position_embeddings` over the original) unless given."""
     original = s["original_max_position_embeddings"]
-    factors = s["long_factor" if long else "short_factor"]
-    if len(factors) != len(inv_freq):
-        raise ValueError(f"longrope needs {len(inv_freq)} factors per set (rotary_dim / 2); got {len(factors)}")
+    key = "long_factor" if long else "short_factor"
+    inv_freq = _divided(inv_freq, s[key], f"longrope's {key}")
     factor = s.get("factor") or max_positions / original
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return (inv_freq / torch.tensor(factors, dtype=torch.float64)).float(), float(attention_factor)
+    return inv_freq.float(), float(attention_factor)
+
+
+def _divided(inv_freq: torch.Tensor, factors: list[float], kind: str) -> torch.Tensor:
+    """Each inverse frequency divided by its own factor (longrope's; a GGUF's `rope_freqs`, which
+    llama.cpp's rope divides each frequency by)."""
+    if len(factors) != len(inv_freq):
+        raise ValueError(f"{kind} needs {len(inv_freq)} rope factors (rotary_dim / 2); got {len(factors)}")
+    return inv_freq / torch.tensor(factors, dtype=torch.float64)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -48,8 +48,11 @@ LAYER_NAMES = {
 }
 BARE_PARAMETERS = {"attn_sinks"}  # a parameter, not a module's: no `.weight` in its Hugging Face name
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Per-frequency rope factors (Llama 3.1's rope_freqs, Phi-3's longrope): not read.
-UNSUPPORTED_TENSORS = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
+# Per-frequency rope factors, which the converter computes from config.json's rope scaling and
+# writes as tensors: the loader reads them into the config's rope, never among the weights.
+# `rope_freqs` (Llama 3.1's `llama3` scaling, one divisor per frequency for every sequence);
+# `rope_factors_short` / `rope_factors_long` (Phi-3's longrope: its `short_factor` and `long_factor`).
+ROPE_FACTOR_TENSORS = {"rope_freqs", "rope_factors_short", "rope_factors_long"}
 
 
 def _gemma_query_scalar(layers_of_27b: int) -> Callable[[Metadata, dict], dict]:

@@ -14,7 +14,7 @@ from gguf import Keys
 
 from common.model.checkpoint import Checkpoint, hash_files
 from common.model.family import canonical_tensors
-from common.model.gguf_arch import UNSUPPORTED_TENSORS, GgufArch, Metadata, architecture_of
+from common.model.gguf_arch import ROPE_FACTOR_TENSORS, GgufArch, Metadata, architecture_of
 from common.model.gguf_file import GgufFile, GgufTensor
 from common.model.hf_loader import FULL, SLIDING, model_config
 
@@ -37,8 +37,15 @@ _KEYS = {
 }
 
 
-def _rope_scaling(meta: Metadata) -> dict | None:
+def _rope_scaling(meta: Metadata, factors: dict[str, list[float]]) -> dict | None:
+    """config.json's rope scaling from the file's `rope.scaling.*` keys, or from its rope factor
+    tensors (`factors`, by name), which the converter writes with no scaling type beside them."""
     kind = meta.get(Keys.Rope.SCALING_TYPE)
+    if factors:
+        if kind not in (None, "none"):
+            raise ValueError(f"unsupported GGUF rope: scaling {kind!r} beside per-frequency factors "
+                             f"({', '.join(sorted(factors))})")
+        return _factor_scaling(meta, factors)
     if kind in (None, "none"):
         return None
     factor = float(meta.get(Keys.Rope.SCALING_FACTOR))
@@ -53,9 +60,31 @@ def _rope_scaling(meta: Metadata) -> dict | None:
     raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
 
 
-def hf_config(meta: Metadata, arch: GgufArch, shapes: dict[str, tuple[int, ...]]) -> dict:
+def _factor_scaling(meta: Metadata, factors: dict[str, list[float]]) -> dict:
+    """The rope of a file with factor tensors. Phi-3's two longrope sets are config.json's
+    `short_factor` and `long_factor`; llama.cpp takes the long set past `rope.scaling.original_context_length`
+    (else the file's context length), and multiplies cos and sin by `rope.scaling.attn_factor`, which the
+    converter computes as transformers does from the two context lengths (absent, transformers' value).
+    `rope_freqs` is what remains of Llama 3.1's `llama3` scaling: one divisor per frequency, its
+    parameters (factor, low/high frequency factors, original context) written nowhere."""
+    if "rope_freqs" in factors and len(factors) == 1:
+        return {"rope_type": "frequency_factors", "factors": factors["rope_freqs"]}
+    if set(factors) != {"rope_factors_short", "rope_factors_long"}:
+        raise ValueError(f"unsupported GGUF rope factors: {', '.join(sorted(factors))} (longrope needs both "
+                         "rope_factors_short and rope_factors_long; rope_freqs goes alone)")
+    original = meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN, meta.get(Keys.LLM.CONTEXT_LENGTH))
+    scaling = {"rope_type": "longrope", "short_factor": factors["rope_factors_short"],
+               "long_factor": factors["rope_factors_long"], "original_max_position_embeddings": int(original)}
+    if (attention := meta.get(Keys.Rope.SCALING_ATTN_FACTOR)) is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
+
+
+def hf_config(meta: Metadata, arch: GgufArch, shapes: dict[str, tuple[int, ...]],
+              rope_factors: dict[str, list[float]]) -> dict:
     """The config.json of the Hugging Face checkpoint this GGUF file was converted from, as far
-    as the model's forward needs it; `shapes`: each tensor's shape by its GGUF name."""
+    as the model's forward needs it; `shapes`: each tensor's shape by its GGUF name;
+    `rope_factors`: the file's rope factor tensors (ROPE_FACTOR_TENSORS) by name."""
     raw = arch.defaults | {name: meta.get(key) for key, name in _KEYS.items() if meta.get(key) is not None}
     layers = raw["num_hidden_layers"]
     experts = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
@@ -66,7 +95,7 @@ def hf_config(meta: Metadata, arch: GgufArch, shapes: dict[str, tuple[int, ...]]
         "head_dim": meta.head_dim(),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
-        "rope_scaling": _rope_scaling(meta),
+        "rope_scaling": _rope_scaling(meta, rope_factors),
         "sliding_window": raw.get("sliding_window") or None,  # Phi-3's converter writes 0 for none
     }
     raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
@@ -99,6 +128,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, inp).swapaxes(1, 2).reshape(w.shape)
 
 
+def _floats(t: GgufTensor) -> np.ndarray:
+    # F32 data comes back as a read-only memmap: dequantize() copies it.
+    return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+
 def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str) -> dict[str, torch.Tensor]:
     """One GGUF tensor as the Hugging Face tensors it came from (several for stacked experts)."""
     name = arch.hf_name(t.name)
@@ -106,8 +140,7 @@ def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str) -> dict[str,
         raise ValueError(f"{source}: unexpected tensor {t.name!r} for a GGUF of {arch.model_type}")
     if t.tensor_type not in _SUPPORTED_QUANTS:
         raise ValueError(f"{source}: tensor {t.name} has unsupported type {t.tensor_type.name}")
-    # F32 data comes back as a read-only memmap: dequantize() copies it.
-    w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    w = _floats(t)
     if arch.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         w = _unpermute(w, raw["num_attention_heads"])
     elif arch.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -124,12 +157,12 @@ def load_gguf(path: str | Path) -> Checkpoint:
     path = Path(path)
     reader = GgufFile(path)
     arch_name, arch = architecture_of(reader.fields)  # refuse before reading anything else
-    if refused := sorted(t.name for t in reader.tensors if t.name.split(".")[0] in UNSUPPORTED_TENSORS):
-        raise ValueError(f"{path.name}: GGUF files with per-frequency rope factors ({', '.join(refused)}) are not "
-                         "supported; load the Hugging Face directory of this model instead")
-    raw = hf_config(Metadata(reader.fields, arch_name), arch, {t.name: t.shape for t in reader.tensors})
+    factors = {t.name.split(".")[0]: t for t in reader.tensors if t.name.split(".")[0] in ROPE_FACTOR_TENSORS}
+    rope_factors = {name: _floats(t).tolist() for name, t in factors.items()}
+    raw = hf_config(Metadata(reader.fields, arch_name), arch, {t.name: t.shape for t in reader.tensors}, rope_factors)
     config = model_config(raw)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        tensors |= _weights(t, arch, raw, path.name)
+        if t.name.split(".")[0] not in factors:  # the rope factors are the config's, not weights
+            tensors |= _weights(t, arch, raw, path.name)
     return Checkpoint(config, canonical_tensors(raw["model_type"], tensors, raw), hash_files([path]), path)

@@ -4,13 +4,15 @@ Each tiny random checkpoint (harness/tiny_families.py) is written here as llama.
 convert_hf_to_gguf.py writes it: tensor names from the `gguf` package's own map
 (`gguf.get_tensor_name_map`), metadata under `gguf.Keys` through GGUFWriter's methods, and the
 converter's changes to the weights made as it makes them (Gemma's norms stored as `1 + w`, Q/K
-rows interleaved for the llama architecture, experts stacked, Phi-3's fused tensors kept). None
-of this reads common/model/gguf_arch.py, so the loader's table is checked, not echoed.
+rows interleaved for the llama architecture, experts stacked, Phi-3's fused tensors kept, rope
+scaling that llama.cpp takes per frequency written as the factor tensors the converter computes).
+None of this reads common/model/gguf_arch.py, so the loader's table is checked, not echoed.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -21,16 +23,17 @@ from common.model.checkpoint import load_checkpoint
 from common.model.decoder import DecoderModel
 from harness.engine_checks import full_logits
 from harness.reference import engine_greedy, hf_greedy
-from harness.tiny_families import FULL, SLIDING, save_tiny, tiny_prompt
+from harness.tiny_families import COMMON, FULL, SLIDING, configs, save_model, save_tiny, tiny_prompt
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 # The converter's GGUF architecture of each family, and whether it interleaves Q/K rows (its
 # LlamaModel and the classes built on it: Llama, Mistral, Mixtral, Granite).
-_ARCH = {"qwen3": ("QWEN3", False), "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False),
-         "phi3": ("PHI3", False), "granite": ("GRANITE", True), "olmo2": ("OLMO2", False),
-         "mixtral": ("LLAMA", True), "qwen3_moe": ("QWEN3MOE", False), "gpt_oss": ("GPT_OSS", False)}
+_ARCH = {"llama": ("LLAMA", True), "qwen3": ("QWEN3", False), "gemma2": ("GEMMA2", False),
+         "gemma3_text": ("GEMMA3", False), "phi3": ("PHI3", False), "granite": ("GRANITE", True),
+         "olmo2": ("OLMO2", False), "mixtral": ("LLAMA", True), "qwen3_moe": ("QWEN3MOE", False),
+         "gpt_oss": ("GPT_OSS", False)}
 # Where the tiny checkpoint differs from what llama.cpp can hold, it is made like the published
 # models: Gemma's `query_pre_attn_scalar` is the head size (llama.cpp derives it, no key carries it);
 # Gemma 3 slides 5 layers in 6 (llama.cpp's fixed pattern); Qwen3-MoE has no dense layer (the
@@ -78,7 +81,7 @@ def _write_metadata(w, name: str, cfg: dict) -> None:
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if name in ("qwen3_moe", "gpt_oss"):
         w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-    if name in ("mixtral", "granite"):  # LlamaModel
+    if name in ("llama", "mixtral", "granite"):  # LlamaModel
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(cfg["hidden_size"] // heads)
     if name == "granite":
@@ -90,10 +93,38 @@ def _write_metadata(w, name: str, cfg: dict) -> None:
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if name == "phi3":
+        original = cfg["original_max_position_embeddings"]
         w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads)
-        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":  # the attention factor from the context's growth, as transformers'
+            scale = cfg["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     if name in ("gemma2", "gemma3_text", "gpt_oss", "phi3"):
         w.add_sliding_window(cfg.get("sliding_window") or 0)  # Phi-3: 0 when it has none
+
+
+def _rope_factors(cfg: dict) -> dict[str, np.ndarray]:
+    """The tensors the converter generates from config.json's rope scaling, by GGUF name: Llama 3.1's
+    `llama3` scaling as one factor per frequency (LlamaModel, every step in float32 as its torch
+    tensors run), Phi-3's longrope factor sets as they are."""
+    rope = cfg.get("rope_parameters") or {}
+    name = gguf.TENSOR_NAMES
+    if rope.get("rope_type") == "longrope":
+        return {name[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight": np.float32(rope["long_factor"]),
+                name[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight": np.float32(rope["short_factor"])}
+    if rope.get("rope_type") != "llama3":
+        return {}
+    dim = cfg["head_dim"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # The original context as config.json holds it, in the rope parameters (the converter's LlamaModel
+    # looks for it at the top level, else takes 8192: every Llama 3.x's value).
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelen < original / high, 1.0, torch.where(wavelen > original / low, factor, between))
+    return {name[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight": factors.float().numpy()}
 
 
 def _converted_tensors(name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -157,6 +188,8 @@ def write_gguf(name: str, hf, directory: Path) -> Path:
     path = directory / f"{name}.gguf"
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     _write_metadata(writer, name, cfg)
+    for gguf_name, factors in _rope_factors(cfg).items():  # the converter writes them first
+        writer.add_tensor(gguf_name, factors)
     for key, t in tensors.items():
         gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"the converter has no name for {key}"
@@ -172,20 +205,36 @@ def write_gguf(name: str, hf, directory: Path) -> Path:
 
 
 def _assert_same_config(a, b) -> None:
-    """Equal, but for float32 rounding of the numbers GGUF stores as float32."""
+    """Equal, but for float32 rounding of the numbers GGUF stores as float32; the rope compared by
+    what it computes (a GGUF may describe the same frequencies otherwise than config.json)."""
     for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        assert x == (pytest.approx(y, rel=1e-6) if isinstance(y, float) else y), f.name
+        if f.name not in ("rope_scaling", "sliding_rope_scaling"):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            assert x == (pytest.approx(y, rel=1e-6) if isinstance(y, float) else y), f.name
+    assert a.long_rope_from == b.long_rope_from
+    for sliding in (False, True):
+        for long in (False, True):
+            (x, x_scale), (y, y_scale) = a.rope(sliding, long), b.rope(sliding, long)
+            assert torch.allclose(x, y, rtol=1e-6, atol=0) and x_scale == pytest.approx(y_scale, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", list(_ARCH))
+@pytest.mark.parametrize("name", list(configs()))
 def test_gguf_loads_as_its_hugging_face_directory(name, tmp_path):
     """Same config as the directory's, float32 logits within 1e-4 of transformers', the same 12
     greedy tokens after prompts five windows long."""
     hf = save_tiny(name, tmp_path, **_AS_PUBLISHED.get(name, {}))
-    ckpt = load_checkpoint(write_gguf(name, hf, tmp_path))
-    _assert_same_config(ckpt.config, load_checkpoint(tmp_path).config)
-    model = DecoderModel(ckpt)
+    _assert_as_transformers(_load_gguf(name, hf, tmp_path), hf)
+
+
+def _load_gguf(name: str, hf, directory: Path) -> DecoderModel:
+    """The model of the directory's GGUF, its config checked against the directory's."""
+    ckpt, directory_ckpt = load_checkpoint(write_gguf(name, hf, directory)), load_checkpoint(directory)
+    _assert_same_config(ckpt.config, directory_ckpt.config)
+    assert ckpt.tensors.keys() == directory_ckpt.tensors.keys()  # no rope factors among the weights
+    return DecoderModel(ckpt)
+
+
+def _assert_as_transformers(model: DecoderModel, hf) -> None:
     ids = tiny_prompt(1, 60)
     with torch.no_grad():
         reference = hf(torch.tensor([ids])).logits[0]
@@ -193,6 +242,51 @@ def test_gguf_loads_as_its_hugging_face_directory(name, tmp_path):
     for seed in (2, 3):
         prompt = tiny_prompt(seed)
         assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
+
+
+# Llama 3.1's rope scaling, its original context small enough that the tiny model's 8 frequencies
+# fall in all three bands: kept, slowed by `factor`, and blended between.
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_gguf_divides_each_frequency_by_its_factor(tmp_path):
+    """A Llama 3.1/3.2/3.3 GGUF holds of the `llama3` scaling only the converter's `rope_freqs`, one
+    factor per frequency; dividing each frequency by it is the directory's rope. No config.json
+    can say that, so such a file is not exported as a Hugging Face directory."""
+    import transformers
+
+    from scripts.export_hf_model import export_hf_model
+
+    hf = save_model(transformers.LlamaConfig(**COMMON, rope_parameters=dict(_LLAMA3_ROPE)), tmp_path)
+    model = _load_gguf("llama", hf, tmp_path)
+    factors = model.config.rope_scaling["factors"]
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and factors[-1] == 8.0  # the three bands
+    _assert_as_transformers(model, hf)
+    with pytest.raises(ValueError, match="no config.json holds"):
+        export_hf_model(tmp_path / "exported", tmp_path / "llama.gguf")
+
+
+def test_longrope_gguf_takes_the_long_factors_past_the_original_context(tmp_path):
+    """A Phi-3 128k / Phi-3.5 GGUF: its `rope_factors_short` / `rope_factors_long`, original context
+    and attention factor are the directory's longrope. A sequence longer than the original context
+    (24 tokens) computes with the long factors, one that outgrows it while decoding is computed
+    again, as transformers' Phi-3 `generate` does."""
+    original, half = 24, COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            "original_max_position_embeddings": original,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.7 * i for i in range(half)]}
+    hf = save_tiny("phi3", tmp_path, rope_parameters=rope, original_max_position_embeddings=original)
+    model = _load_gguf("phi3", hf, tmp_path)
+    assert model.config.long_rope_from == original
+    short, long = tiny_prompt(20, 20), tiny_prompt(21, 30)
+    for prompt, past_it in ((short, False), (long, True)):
+        with torch.no_grad():
+            reference = hf(torch.tensor([prompt])).logits[0]
+        assert (full_logits(model, prompt, long_rope=past_it) - reference).abs().max().item() <= 1e-4
+    generated = hf.generate(torch.tensor([short]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                            pad_token_id=0)[0, len(short):].tolist()
+    assert engine_greedy(model, short, 12, page_size=4) == generated
 
 
 def test_unsupported_gguf_architecture_names_the_supported_ones(tmp_path):
