@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -15,6 +14,7 @@ from gguf import Keys
 from common.model.checkpoint import Checkpoint, hash_files
 from common.model.family import canonical_tensors
 from common.model.gguf_arch import ROPE_FACTOR_TENSORS, GgufArch, Metadata, architecture_of
+from common.model.gguf_dequant import dequantize
 from common.model.gguf_file import GgufFile, GgufTensor
 from common.model.hf_loader import FULL, SLIDING, model_config
 
@@ -129,8 +129,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _floats(t: GgufTensor) -> np.ndarray:
-    # F32 data comes back as a read-only memmap: dequantize() copies it.
-    return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return dequantize(t.data, t.tensor_type, t.shape)
 
 
 def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str) -> dict[str, torch.Tensor]:

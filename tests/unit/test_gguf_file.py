@@ -60,3 +60,23 @@ def test_other_files_are_refused(tmp_path):
     path.write_bytes(b"GGML" + bytes(20))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GgufFile(path)
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_dequantized_values_are_ggufs_bit_for_bit(kind):
+    """Random blocks (any bits, scales of every magnitude, NaN and infinities included) of the types
+    dequantized here, and one left to gguf, give exactly gguf.quants.dequantize's float32 values."""
+    from common.model.gguf_dequant import dequantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, per_row = 6, 4 * block
+    data = np.random.default_rng(7).integers(0, 256, rows * per_row // block * size, dtype=np.uint8)
+    if kind in ("F32", "F16"):  # elements, as GgufFile gives them; every other type as bytes
+        data = data.view({"F32": np.float32, "F16": np.float16}[kind]).reshape(rows, per_row)
+    else:
+        data = data.reshape(rows, per_row // block * size)
+    ours = dequantize(data, qtype, (rows, per_row))
+    theirs = np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+    assert ours.dtype == np.float32 and ours.flags.writeable and ours.shape == theirs.shape
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))  # NaNs too, bit for bit
