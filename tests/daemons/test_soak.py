@@ -38,7 +38,7 @@ def test_soak_at_saturation_leaks_nothing(tmp_path):
 
         round_(0)  # warm-up: caches, pools, thread pools reach their working size
         before = {d: footprint(d.proc.pid) for d in (dn, pn)}
-        results = [round_(seed) for seed in (1, 2, 3)]
+        results = [round_(seed) for seed in (1, 2)]
         for result in results:
             statuses = {r.status for r in result.requests}
             assert statuses <= {"OK", "RESOURCE_EXHAUSTED"}, statuses  # refused at admission, never failed later
