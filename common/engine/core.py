@@ -189,7 +189,8 @@ class Engine:
             if n <= 0 or end > len(seq.token_ids):
                 raise ValueError(f"{seq.seq_id}: cannot compute {n} positions from {start} of {len(seq.token_ids)}")
             ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end) + (self.model.long_rope_offset if seq.long_rope else 0))
+            rope_row = self.model.long_rope_offset if seq.long_rope else 0  # its rope table's first row
+            positions.append(torch.arange(rope_row + start, rope_row + end))
             every = i in every_position
             if logits and not every and n > 1 and end == len(seq.token_ids):
                 slices += [self._slice(seq, start, end - 1), self._slice(seq, end - 1, end)]
