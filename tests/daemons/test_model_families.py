@@ -23,7 +23,7 @@ from harness.helpers import Started, greedy, no_leak, random_ids, started_pair
 from harness.reference import FP32, engine_greedy, hf_greedy
 from harness.engine_checks import bf16_ulp, full_logits, teacher_forced
 from harness.tiny_families import COMMON as _COMMON
-from harness.tiny_families import FULL, PROMPT, SLIDING, VOCAB, WINDOW
+from harness.tiny_families import FULL, PROMPT, SLIDING, VOCAB, WINDOW, assert_as_transformers
 from harness.tiny_families import configs as _configs
 from harness.tiny_families import save_tiny as _save
 from harness.tiny_families import tiny_prompt as _prompt
@@ -67,13 +67,7 @@ def test_logits_and_greedy_tokens_match_transformers(family):
     assert model.config.architecture == name
     assert (model.config.layer_windows is not None) == (name in HYBRID)
     assert (model.config.moe is not None) == (name in MOE)
-    ids = _prompt(1, 60)
-    with torch.no_grad():
-        reference = hf(torch.tensor([ids])).logits[0]
-    assert (full_logits(model, ids) - reference).abs().max().item() <= 1e-4
-    for seed in (2, 3):
-        prompt = _prompt(seed)
-        assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
+    assert_as_transformers(model, hf)
 
 
 def test_hybrid_layers_keep_their_own_windows(hybrid):

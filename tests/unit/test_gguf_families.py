@@ -22,8 +22,8 @@ import torch
 from common.model.checkpoint import load_checkpoint
 from common.model.decoder import DecoderModel
 from harness.engine_checks import full_logits
-from harness.reference import engine_greedy, hf_greedy
-from harness.tiny_families import COMMON, FULL, SLIDING, configs, save_model, save_tiny, tiny_prompt
+from harness.reference import engine_greedy
+from harness.tiny_families import COMMON, FULL, SLIDING, assert_as_transformers, configs, save_model, save_tiny, tiny_prompt
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
@@ -223,7 +223,7 @@ def test_gguf_loads_as_its_hugging_face_directory(name, tmp_path):
     """Same config as the directory's, float32 logits within 1e-4 of transformers', the same 12
     greedy tokens after prompts five windows long."""
     hf = save_tiny(name, tmp_path, **_AS_PUBLISHED.get(name, {}))
-    _assert_as_transformers(_load_gguf(name, hf, tmp_path), hf)
+    assert_as_transformers(_load_gguf(name, hf, tmp_path), hf)
 
 
 def _load_gguf(name: str, hf, directory: Path) -> DecoderModel:
@@ -232,16 +232,6 @@ def _load_gguf(name: str, hf, directory: Path) -> DecoderModel:
     _assert_same_config(ckpt.config, directory_ckpt.config)
     assert ckpt.tensors.keys() == directory_ckpt.tensors.keys()  # no rope factors among the weights
     return DecoderModel(ckpt)
-
-
-def _assert_as_transformers(model: DecoderModel, hf) -> None:
-    ids = tiny_prompt(1, 60)
-    with torch.no_grad():
-        reference = hf(torch.tensor([ids])).logits[0]
-    assert (full_logits(model, ids) - reference).abs().max().item() <= 1e-4
-    for seed in (2, 3):
-        prompt = tiny_prompt(seed)
-        assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
 
 
 # Llama 3.1's rope scaling, its original context small enough that the tiny model's 8 frequencies
@@ -262,7 +252,7 @@ def test_llama3_rope_gguf_divides_each_frequency_by_its_factor(tmp_path):
     model = _load_gguf("llama", hf, tmp_path)
     factors = model.config.rope_scaling["factors"]
     assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and factors[-1] == 8.0  # the three bands
-    _assert_as_transformers(model, hf)
+    assert_as_transformers(model, hf)
     with pytest.raises(ValueError, match="no config.json holds"):
         export_hf_model(tmp_path / "exported", tmp_path / "llama.gguf")
 
