@@ -81,6 +81,8 @@ class Engine:
         self.kv_events = KvEventLog(page_size)  # what WatchKvEvents streams
         windows = [w for w in model.config.layer_windows or () if w is not None]  # a hybrid model's
         self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events, max(windows, default=None))
+        # Longrope: sequences longer than this compute with the long factors (None: no longrope).
+        self.long_rope_from = model.config.long_rope_from
 
     @property
     def page_size(self) -> int:
@@ -95,8 +97,13 @@ class Engine:
         factors (Phi-3 128k, Phi-3.5), as transformers does once a sequence outgrows the original
         context. The prefix cache holds short-factor K/V only, so such a sequence neither takes
         from it nor adds to it."""
-        after = self.model.config.long_rope_from
-        return after is not None and length > after
+        return self.long_rope_from is not None and length > self.long_rope_from
+
+    @staticmethod
+    def _cacheable(seq: Sequence) -> bool:
+        """Whether `seq`'s K/V may come from or go into the prefix cache: not long-factor K/V, as
+        the cache's pages hold short-factor K/V (longrope)."""
+        return not seq.long_rope
 
     @locked
     def new_sequence(self, seq_id: str, token_ids: list[int], use_prefix_cache: bool = True,
@@ -119,7 +126,7 @@ class Engine:
     def attach_cached_prefix(self, seq: Sequence) -> None:
         """Give a sequence that holds no pages the longest cached prefix of its tokens."""
         assert not seq.pages, "the sequence already holds pages"
-        if seq.long_rope:
+        if not self._cacheable(seq):
             return
         seq.partial_kv_before = self.prefix_cache.partial_before(seq.token_ids[:-1])
         seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1])
@@ -258,7 +265,7 @@ class Engine:
         prefix cache so later requests can reuse them. Only the leading run of held pages can
         be recorded: a cached page stands for every token before it."""
         held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
-        cache = cache and not seq.long_rope
+        cache = cache and self._cacheable(seq)
         if cache and seq.num_computed:
             self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held],
                                      seq.partial_kv_before)

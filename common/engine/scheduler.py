@@ -346,7 +346,7 @@ class Scheduler(EngineLoop):
             return 0
         limit = min(budget, r.params.max_tokens - r.num_generated - 1,
                     self.engine.model.config.max_position_embeddings - len(seq.token_ids) - 1)
-        long_rope_from = self.engine.model.config.long_rope_from
+        long_rope_from = self.engine.long_rope_from
         if long_rope_from is not None and not seq.long_rope:  # drafts stay short: the switch recomputes
             limit = min(limit, long_rope_from - len(seq.token_ids))
         draft = self.speculator.propose(seq.token_ids, r.params, limit, r.spec)
