@@ -90,7 +90,9 @@ fp32_prefill = part_of("singles", 1, "A float32 prefill node (TCP).")
 def pair_bf16(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"pair_bf16_{request.param}")
     flags = (*BF16, "--transport", request.param)
-    with started_pair(tmp, flags, (*flags, "--kv-pages", "96", "--min-remote-prefill-tokens", "1")) as (dn, pn):
+    # A long lease: the churn test holds reservations across a 600-token hand-off, however slow the machine.
+    decode_flags = (*flags, "--kv-pages", "96", "--min-remote-prefill-tokens", "1", "--lease-seconds", "600")
+    with started_pair(tmp, flags, decode_flags) as (dn, pn):
         yield dn, pn
 
 
