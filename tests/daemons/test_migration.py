@@ -123,8 +123,26 @@ CASES = {
 }
 
 
+# What a continuation carries (sampler and guided state, stop strings, traces) does not depend on
+# how its KV moves: over NIXL only the cases whose KV moves differently run again (one sequence,
+# two samples' forked pages, speculative draft positions).
+KV_CASES = ("greedy", "n2-logprobs", "speculative")
+TCP_ONLY = pytest.mark.parametrize("nodes", ["tcp"], indirect=True, scope="module")
+
+
 @pytest.mark.parametrize("case", CASES)
+@TCP_ONLY
 def test_migrated_stream_is_identical(pair, case):
+    assert_migrated_stream_is_identical(pair, case)
+
+
+@pytest.mark.parametrize("case", KV_CASES)
+@pytest.mark.parametrize("nodes", ["nixl"], indirect=True, scope="module")
+def test_migrated_kv_over_nixl_is_identical(pair, case):
+    assert_migrated_stream_is_identical(pair, case)
+
+
+def assert_migrated_stream_is_identical(pair, case: str) -> None:
     a, b = pair
     request = CASES[case]
     reference = run(a, f"ref-{case}", pb.GenerateRequest().FromString(request.SerializeToString()))
@@ -137,6 +155,7 @@ def test_migrated_stream_is_identical(pair, case):
         assert moved.text[0].lstrip().startswith("{")
 
 
+@TCP_ONLY
 def test_stop_string_after_the_migration_ends_the_stream_there(pair):
     a, b = pair
     story = [pb.ChatMessage(role="user", content="Tell me a short story about a cat who learns to sail.")]
@@ -151,6 +170,7 @@ def test_stop_string_after_the_migration_ends_the_stream_there(pair):
     assert moved.same_output(reference)
 
 
+@TCP_ONLY
 def test_the_request_keeps_its_id_and_both_traces_and_metrics_show_it(pair):
     a, b = pair
     moved = run(a, "traced", pb.GenerateRequest(token_ids=PROMPT, sampling=sampling(**NO_SPEC)), migrate_to=b)
@@ -349,6 +369,7 @@ def test_drain_hands_every_stream_over_and_exits(nodes, pair):
     assert finished_on_targets == set(ids)
 
 
+@TCP_ONLY
 def test_a_continuation_supersedes_the_instance_its_client_lost(pair):
     """A client whose stream broke (its router died) asks again with the tokens it holds, while
     the node still generates the instance that stream fed (it has not seen the break yet): the
@@ -372,6 +393,7 @@ def test_a_continuation_supersedes_the_instance_its_client_lost(pair):
     lost.cancel()
 
 
+@TCP_ONLY
 def test_bad_continuations_are_invalid_argument(pair):
     a, b = pair
     ok = pb.SampleContinuation(index=0, generated_token_ids=[300, 301])
