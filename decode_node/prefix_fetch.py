@@ -70,7 +70,8 @@ class PrefixFetch:
         ps = self.engine.page_size
         end = min(holder.cached_tokens, len(tokens) - 1) // ps * ps
         if (self.config.prefix_fetch == "off" or holder.address == self.config.advertise_address
-                or end - cached < self.config.min_remote_prefill_tokens or self.engine.long_rope(len(tokens))):
+                or end - cached < self.config.min_remote_prefill_tokens
+                or self.engine.long_rope(len(tokens))):  # `holder` counted short-factor pages, all routers know
             return None, False
         source = _Holder(self._stub(holder.address), holder.address)
         return self.reservations.generate_remote(request_id, tokens, params, cancelled, deadline,
@@ -96,9 +97,9 @@ class PrefixFetch:
         started = time.perf_counter()
         self.tiers.read_back(req.request_id, tokens, deadline)
         ps = self.engine.page_size
-        with self.engine.lock:  # a longrope prompt's long-factor K/V is never cached
-            long_rope = self.engine.long_rope(len(req.token_ids))
-            pages, matched = ([], 0) if long_rope else self.engine.prefix_cache.match(tokens[: end // ps * ps])
+        with self.engine.lock:  # a longrope prompt's pages: those of its long-factor K/V
+            salt = self.engine.cache_salt(self.engine.long_rope(len(req.token_ids)))
+            pages, matched = self.engine.prefix_cache.match(tokens[: end // ps * ps], salt)
         try:
             if matched < end:
                 raise FailedPrecondition(f"this node holds {matched} of the {end} prompt tokens asked for (whole "

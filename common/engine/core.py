@@ -32,6 +32,7 @@ from common.kv.segments import RELEASED, slot_range, slots_at
 from common.model.decoder import ForwardBatch, DecoderModel, SequenceSlice
 
 F = TypeVar("F", bound=Callable[..., Any])
+LONG_ROPE_SALT = 1  # the prefix cache's tree of long-factor K/V (Engine.cache_salt)
 
 
 def locked(method: F) -> F:
@@ -56,7 +57,7 @@ class Sequence:
     # sent only their window (attention_window.layer_skips); the prefix cache records such pages
     # as partial, and serves them only to queries whose window does not reach them.
     partial_kv_before: int = 0
-    # Longrope: its K/V computed with the long factors (Engine.long_rope); never in the prefix cache.
+    # Longrope: its K/V computed with the long factors (Engine.long_rope), cached in their own tree.
     long_rope: bool = False
 
     @property
@@ -95,15 +96,15 @@ class Engine:
     def long_rope(self, length: int) -> bool:
         """Whether a sequence of `length` tokens computes every position with longrope's long
         factors (Phi-3 128k, Phi-3.5), as transformers does once a sequence outgrows the original
-        context. The prefix cache holds short-factor K/V only, so such a sequence neither takes
-        from it nor adds to it."""
+        context. The prefix cache keeps such K/V in a tree of its own (`cache_salt`): the same
+        tokens' short-factor pages are other K/V."""
         return self.long_rope_from is not None and length > self.long_rope_from
 
     @staticmethod
-    def _cacheable(seq: Sequence) -> bool:
-        """Whether `seq`'s K/V may come from or go into the prefix cache: not long-factor K/V, as
-        the cache's pages hold short-factor K/V (longrope)."""
-        return not seq.long_rope
+    def cache_salt(long_rope: bool) -> int:
+        """The prefix cache tree (common/kv/prefix_cache.py, "Salted trees") of K/V computed with
+        longrope's long factors (1) or short ones, as every other model's (0)."""
+        return LONG_ROPE_SALT if long_rope else 0
 
     @locked
     def new_sequence(self, seq_id: str, token_ids: list[int], use_prefix_cache: bool = True,
@@ -120,16 +121,15 @@ class Engine:
     def cached_length(self, token_ids: list[int], length: int | None = None) -> int:
         """How many leading tokens of `token_ids` the prefix cache would give a new sequence of
         them (`length` as for new_sequence)."""
-        return 0 if self.long_rope(length or len(token_ids)) else self.prefix_cache.matched_length(token_ids)
+        return self.prefix_cache.matched_length(token_ids, self.cache_salt(self.long_rope(length or len(token_ids))))
 
     @locked
     def attach_cached_prefix(self, seq: Sequence) -> None:
         """Give a sequence that holds no pages the longest cached prefix of its tokens."""
         assert not seq.pages, "the sequence already holds pages"
-        if not self._cacheable(seq):
-            return
-        seq.partial_kv_before = self.prefix_cache.partial_before(seq.token_ids[:-1])
-        seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1])
+        salt = self.cache_salt(seq.long_rope)
+        seq.partial_kv_before = self.prefix_cache.partial_before(seq.token_ids[:-1], salt)
+        seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1], salt)
         seq.num_cached = max(seq.num_cached, seq.num_computed)
 
     @locked
@@ -265,10 +265,9 @@ class Engine:
         prefix cache so later requests can reuse them. Only the leading run of held pages can
         be recorded: a cached page stands for every token before it."""
         held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
-        cache = cache and self._cacheable(seq)
         if cache and seq.num_computed:
             self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held],
-                                     seq.partial_kv_before)
+                                     seq.partial_kv_before, self.cache_salt(seq.long_rope))
         self.allocator.decref(seq.held_pages)
         if cache and seq.num_computed:
             self.room_made.notify_all()  # its pages may have turned evictable
@@ -279,8 +278,8 @@ class Engine:
     def outgrow_short_rope(self, seq: Sequence) -> bool:
         """Longrope: once `seq` holds more tokens than the original context, its K/V (short
         factors) goes back, into the prefix cache, and it turns long, to be computed again from its
-        first token, as transformers recomputes its cache at that step. True when it did: the
-        caller schedules that prefill."""
+        first token (or from the long-factor pages the cache holds of it), as transformers
+        recomputes its cache at that step. True when it did: the caller schedules that prefill."""
         if seq.long_rope or not self.long_rope(len(seq.token_ids)):
             return False
         self.release(seq)

@@ -17,6 +17,12 @@ import numpy as np
 ROOT_HASH = 0
 
 
+def salted_root(salt: int) -> int:
+    """The hash the blocks of a salted tree of the prefix cache chain from (ROOT_HASH for salt 0):
+    a one-token block of `-salt`, which no prompt's page-sized block of token ids can equal."""
+    return ROOT_HASH if salt == 0 else chain_hash(ROOT_HASH, [-salt])
+
+
 def chain_hash(parent: int, block: Sequence[int]) -> int:
     """The hash of `block` following the block hashed `parent` (ROOT_HASH for the first)."""
     data = parent.to_bytes(8, "little") + np.asarray(block, dtype="<i4").tobytes()

@@ -47,6 +47,13 @@ With a `KvEventLog`, every full page the cache starts or stops recording is repo
 chained block hash (common/kv/block_hashes.py), one published change per operation, so other
 nodes can tell which prompts this cache would serve. Tails are not reported: they are never shared.
 
+**Salted trees**: K/V of the same tokens computed another way (longrope's long factors:
+common/engine/core.py `Engine.long_rope`) lives in a tree of its own, named by a nonzero `salt`
+that `match`, `insert` and the lookups take; a prompt finds only pages of its own salt. Its
+blocks are hashed from the salt's root (`block_hashes.salted_root`), and neither reported as
+events nor followed by the tier beyond the pool: other nodes and the tier name blocks unsalted.
+Eviction and contiguity treat every tree alike.
+
 Not thread-safe: one scheduler thread owns the cache and its allocator.
 """
 from __future__ import annotations
@@ -57,7 +64,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from common.kv.block_hashes import ROOT_HASH, chain_hash
+from common.kv.block_hashes import ROOT_HASH, chain_hash, salted_root
 from common.kv.events import KvEventLog
 from common.kv.page_allocator import OutOfPages, PageAllocator
 
@@ -66,13 +73,15 @@ _HeapEntry = tuple[int, int, "_Node"]
 
 class _Node:
     __slots__ = ("key", "page", "parent", "children", "tails", "is_tail", "last_access", "serial", "removed",
-                 "block_hash", "partial")
+                 "block_hash", "partial", "salt")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, serial: int,
-                 is_tail: bool = False, partial: bool = False) -> None:
+                 is_tail: bool = False, partial: bool = False, salt: int = 0) -> None:
         self.key = key
-        # Tails and the root name no block.
-        self.block_hash = ROOT_HASH if parent is None or is_tail else chain_hash(parent.block_hash, key)
+        self.salt = salt if parent is None else parent.salt  # the tree's (see "Salted trees")
+        # A root's hash is its tree's seed; tails name no block.
+        self.block_hash = (salted_root(salt) if parent is None else
+                           ROOT_HASH if is_tail else chain_hash(parent.block_hash, key))
         self.page = page
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}  # full pages continuing this one
@@ -85,6 +94,11 @@ class _Node:
 
     def is_leaf(self) -> bool:
         return not self.children and not self.tails
+
+    def is_named(self) -> bool:
+        """Whether other nodes and the tier know this page by its block hash: a full page of
+        the unsalted tree."""
+        return not self.is_tail and self.salt == 0 and self.parent is not None
 
     def kids(self) -> Iterator[_Node]:
         yield from self.children.values()
@@ -111,7 +125,7 @@ class PrefixCache:
         self.page_size = page_size
         self.window = window
         self._serials = itertools.count()
-        self._root = _Node((), -1, None, next(self._serials))
+        self._roots: dict[int, _Node] = {}  # by salt, made on first insert
         self._clock = 0
         self._num_nodes = 0
         self._heap: list[_HeapEntry] = []
@@ -123,7 +137,7 @@ class PrefixCache:
     def num_cached_pages(self) -> int:
         return self._num_nodes
 
-    def match(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def match(self, token_ids: Sequence[int], salt: int = 0) -> tuple[list[int], int]:
         """Longest cached prefix of `token_ids`: `(pages, matched_token_count)`.
 
         The caller owns one reference on each returned page and must decref it when done. When
@@ -131,7 +145,7 @@ class PrefixCache:
         caller's alone and `matched_token_count` is not a multiple of the page size. The whole of
         `token_ids` may match: pass only what may be reused (e.g. `prompt[:-1]`).
         """
-        path, tail, tail_len = self._usable(*self._lookup(token_ids))
+        path, tail, tail_len = self._usable(*self._lookup(token_ids, salt))
         pages = [n.page for n in path]
         self.allocator.incref(pages)
         if tail is not None:
@@ -140,19 +154,19 @@ class PrefixCache:
         self._touch(path)
         return pages, len(path) * self.page_size + tail_len
 
-    def matched_length(self, token_ids: Sequence[int]) -> int:
+    def matched_length(self, token_ids: Sequence[int], salt: int = 0) -> int:
         """How many tokens `match` would reuse now, without taking or touching anything."""
-        path, _, tail_len = self._usable(*self._lookup(token_ids))
+        path, _, tail_len = self._usable(*self._lookup(token_ids, salt))
         return len(path) * self.page_size + tail_len
 
-    def partial_before(self, token_ids: Sequence[int]) -> int:
+    def partial_before(self, token_ids: Sequence[int], salt: int = 0) -> int:
         """The end of the last partial page among those `match(token_ids)` returns (0: none):
         positions before it may lack some layers' KV."""
-        path, tail, _ = self._usable(*self._lookup(token_ids))
+        path, tail, _ = self._usable(*self._lookup(token_ids, salt))
         nodes = path + ([tail] if tail is not None else [])
         return max((i + 1 for i, n in enumerate(nodes) if n.partial), default=0) * self.page_size
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int], partial_before: int = 0) -> None:
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], partial_before: int = 0, salt: int = 0) -> None:
         """Record a sequence's computed KV: `token_ids[:k*page_size]` -> `pages[:k]` as full
         pages, and a trailing partial page as a tail of the last full page's node. Pages holding a
         position before `partial_before` are partial (some layers' KV is missing).
@@ -168,7 +182,7 @@ class PrefixCache:
         if len(pages) < needed:
             raise ValueError(f"{len(token_ids)} tokens fill {needed} pages but only {len(pages)} pages given")
         path: list[_Node] = []
-        node = self._root
+        node = self._root(salt)
         for i, (key, page) in enumerate(zip(keys, pages)):
             partial = i * self.page_size < partial_before
             child = node.children.get(key)
@@ -210,7 +224,7 @@ class PrefixCache:
             self._evict_leaf(node)
             freed += 1
             parent = node.parent
-            if parent is not self._root and parent.is_leaf():
+            if parent.parent is not None and parent.is_leaf():
                 self._push(parent)
         for entry in in_use:
             heapq.heappush(self._heap, entry)
@@ -225,7 +239,7 @@ class PrefixCache:
     def pages_held_only_here(self) -> int:
         """Cached pages no request holds (what a request would find free, as vLLM counts its free
         blocks); O(cached pages)."""
-        stack, count = list(self._root.kids()), 0
+        stack, count = list(self._tops()), 0
         while stack:
             node = stack.pop()
             stack.extend(node.kids())
@@ -238,7 +252,7 @@ class PrefixCache:
         evictable: dict[int, tuple[_Node, int]] = {}
         decided: dict[int, int | None] = {}  # by serial: subtree's latest access, None if not evictable
         # Iterative post-order: the trie can be deeper than Python's recursion limit.
-        stack: list[tuple[_Node, bool]] = [(c, False) for c in self._root.kids()]
+        stack: list[tuple[_Node, bool]] = [(c, False) for c in self._tops()]
         while stack:
             node, kids_done = stack.pop()
             if not kids_done:
@@ -254,15 +268,14 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every cache reference (pages still held by sequences stay allocated)."""
-        stack = list(self._root.kids())
+        stack = list(self._tops())
         while stack:
             node = stack.pop()
             stack.extend(node.kids())
             node.removed = True
             self._report_removed(node)
             self.allocator.decref([node.page])
-        self._root.children.clear()
-        self._root.tails.clear()
+        self._roots.clear()
         self._full.clear()
         self._num_nodes = 0
         self._heap.clear()
@@ -307,15 +320,28 @@ class PrefixCache:
         for node in reversed(order):  # children before their parents
             self._evict_leaf(node)
         parent = top.parent
-        if parent is not self._root and parent.is_leaf():
+        if parent.parent is not None and parent.is_leaf():
             self._push(parent)
 
-    def _lookup(self, token_ids: Sequence[int]) -> tuple[list[_Node], _Node | None, int]:
-        """The matching path of full pages, then the tail (with its matched token count) that
-        `match` would hand over: the one matching most of what follows, among those only the
-        cache holds."""
+    def _root(self, salt: int) -> _Node:
+        """The root of the `salt` tree, made on first use."""
+        if salt not in self._roots:
+            self._roots[salt] = _Node((), -1, None, next(self._serials), salt=salt)
+        return self._roots[salt]
+
+    def _tops(self) -> Iterator[_Node]:
+        """The first pages of every tree."""
+        for root in self._roots.values():
+            yield from root.kids()
+
+    def _lookup(self, token_ids: Sequence[int], salt: int) -> tuple[list[_Node], _Node | None, int]:
+        """The matching path of full pages in the `salt` tree, then the tail (with its matched
+        token count) that `match` would hand over: the one matching most of what follows, among
+        those only the cache holds."""
         path: list[_Node] = []
-        node = self._root
+        node = self._roots.get(salt)
+        if node is None:
+            return path, None, 0
         for key in self._page_keys(token_ids):
             child = node.children.get(key)
             if child is None:
@@ -358,26 +384,27 @@ class PrefixCache:
         self.allocator.incref([page])
         node = _Node(key, page, parent, next(self._serials), is_tail, partial)
         (parent.tails if is_tail else parent.children)[key] = node
-        if not is_tail:
-            self._full[node.block_hash] = node
         self._num_nodes += 1
-        if self.events is not None and not is_tail:
-            self.events.stored(node.block_hash, None if parent is self._root else parent.block_hash, key)
-        if not is_tail and not partial:
-            self._report_cached(node)
+        if node.is_named():
+            self._full[node.block_hash] = node
+            if self.events is not None:
+                self.events.stored(node.block_hash, self._parent_hash(node), key)
+            if not partial:
+                self._report_cached(node)
         return node
 
     def _report_cached(self, node: _Node) -> None:
-        if self.on_cached is not None:
+        if self.on_cached is not None and node.is_named():
             self.on_cached(node.block_hash, self._parent_hash(node), node.key)
 
     def _evict_leaf(self, node: _Node) -> None:
-        if self.on_evicted is not None and not node.is_tail and not node.partial:
+        if self.on_evicted is not None and node.is_named() and not node.partial:
             self.on_evicted(node.block_hash, self._parent_hash(node), node.key, node.page)
         self._remove_leaf(node)
 
-    def _parent_hash(self, node: _Node) -> int | None:
-        return None if node.parent is self._root else node.parent.block_hash
+    @staticmethod
+    def _parent_hash(node: _Node) -> int | None:
+        return None if node.parent.parent is None else node.parent.block_hash
 
     def page_of(self, block_hash: int) -> int | None:
         """The page holding the whole full block `block_hash`, while the cache records it."""
@@ -415,14 +442,14 @@ class PrefixCache:
     def _detach(self, node: _Node) -> None:
         """Forget a leaf without dropping the cache's reference on its page."""
         del (node.parent.tails if node.is_tail else node.parent.children)[node.key]
-        if not node.is_tail:
+        if node.is_named():
             del self._full[node.block_hash]
         node.removed = True
         self._num_nodes -= 1
         self._report_removed(node)
 
     def _report_removed(self, node: _Node) -> None:
-        if self.events is not None and not node.is_tail:
+        if self.events is not None and node.is_named():
             self.events.removed(node.block_hash)
 
     def _publish(self) -> None:

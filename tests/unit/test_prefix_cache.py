@@ -87,6 +87,34 @@ def test_without_a_window_partial_pages_are_served_and_a_partial_tail_is_not_rec
     assert cache.num_cached_pages == 2 and cache.matched_length(tokens) == 8  # the tail was not recorded
 
 
+def test_a_salted_tree_serves_only_its_own_salt_and_is_named_to_nobody() -> None:
+    """Longrope's long-factor K/V (salt 1) and the same tokens' short-factor K/V (salt 0) are
+    different pages: each prompt finds only its own. Salted pages are not reported as events nor
+    to the tier (others name blocks unsalted), and are evicted and cleared like any other."""
+    allocator = PageAllocator(16)
+    events = KvEventLog(PS)
+    cache = PrefixCache(allocator, PS, events)
+    told: list[int] = []
+    cache.on_cached = lambda block_hash, parent, tokens: told.append(block_hash)
+    tokens = list(range(10))
+    long_pages = allocator.allocate(3)
+    cache.insert(tokens, long_pages, salt=1)
+    allocator.decref(long_pages)
+    assert cache.matched_length(tokens) == 0 and cache.match(tokens) == ([], 0)
+    assert cache.matched_length(tokens, salt=1) == 10 and events.snapshot()[1] == [] and told == []
+    short_pages = cache_only(cache, tokens)  # the same tokens, unsalted: other pages
+    assert not set(short_pages) & set(long_pages)
+    assert cache.match(tokens, salt=1) == (long_pages, 10)  # the tail is handed over
+    assert cache.match(tokens[:8]) == (short_pages[:2], 8)
+    assert events.snapshot()[1] == told == block_hashes(tokens, PS)
+    allocator.decref(long_pages + short_pages[:2])
+    assert cache.evict(16) == 5 and allocator.num_free == 16  # 2 + 1 unsalted (a tail), 2 salted
+    cache_only(cache, tokens)
+    cache.insert(tokens, cache.allocate(3), salt=1)
+    cache.clear()
+    assert cache.num_cached_pages == 0 and cache.matched_length(tokens, salt=1) == 0
+
+
 def test_match_accepts_any_int_sequence() -> None:
     np = pytest.importorskip("numpy")
     _, cache = make()
