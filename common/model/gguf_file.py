@@ -67,13 +67,11 @@ class GgufFile:
         return values
 
     def _string(self) -> str:
-        (length,) = self._unpack("<Q")
-        start, self._offset = self._offset, self._offset + length
-        return self._buf[start:self._offset].decode("utf-8")
+        return self._strings(1)[0]
 
     def _strings(self, count: int) -> list[str]:
-        """`count` strings in a row (a vocabulary, its merges: most of the metadata), in one
-        tight loop: a fifth of the time `_string` per item takes."""
+        """`count` strings in a row, each its byte count then its bytes; a vocabulary and its merges
+        (most of the metadata) in one tight loop, not a call per string."""
         buf, at, out = self._buf, self._offset, []
         length_at = _LENGTH.unpack_from
         for _ in range(count):
