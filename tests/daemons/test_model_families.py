@@ -33,6 +33,9 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = list(_configs())
 HYBRID = {"gemma2", "gemma3_text", "gpt_oss"}  # sliding and full layers mixed
 MOE = {"mixtral", "qwen3_moe", "gpt_oss"}
+# Tokens a migrated request streams: a tiny model makes a token in about a millisecond, so a short
+# stream can end before Migrate arrives when the host is busy (seen beside another test process).
+STREAMED = 160
 
 
 _BUILT: dict[str, tuple] = {}
@@ -263,12 +266,12 @@ def test_hybrid_request_migrates_mid_stream(name, transport, tmp_path):
         s.wait()
         tokens, moved = [], None
         for i, chunk in enumerate(a.stub.Generate(pb.GenerateRequest(request_id="moving", token_ids=prompt,
-                                                                     sampling=greedy(16)))):
+                                                                     sampling=greedy(STREAMED)))):
             tokens += chunk.token_ids
             if i == 3:
                 moved = a.stub.Migrate(pb.MigrateRequest(request_id="moving", target_address=b.address))
         assert moved is not None and moved.tokens_moved > 0
-        assert tokens == hf_greedy(hf, prompt, 16)
+        assert tokens == hf_greedy(hf, prompt, STREAMED)
         context = moved.tokens_moved  # the positions before the target's first step
         cfg = hf.config
         full_bytes = 2 * context * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * cfg.head_dim
@@ -369,7 +372,7 @@ def test_longrope_across_the_hand_off_and_the_prefix_cache(tmp_path):
 
 
 @pytest.mark.parametrize(("original", "prompt_len", "max_tokens", "migrate_at"),
-                         [(LONG_ROPE_FROM, 22, 16, 5), (48, 8, 48, 0)])  # outgrown on the source; on the target
+                         [(LONG_ROPE_FROM, 22, STREAMED, 5), (48, 8, STREAMED, 0)])  # outgrown on the source; on the target
 def test_longrope_request_migrates_mid_stream(original, prompt_len, max_tokens, migrate_at, tmp_path):
     """A migrated longrope request goes on as transformers' `generate`, whichever node it
     outgrows the original context on: the target takes the factors from the sequence's length,
