@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.daemon_limits import check_request_id
-from common.engine.attention_window import layer_skips
 from common.engine.core import Engine, Sequence
 from common.engine.generation import Chunk, Continuation, FinishReason
 from common.engine.scheduler import Detached, Scheduler
@@ -288,6 +287,5 @@ class _OwnPages:
         engine = self.migrations.engine
         self.migrations.writer.write(self.peer, request.request_id, request.transfer_nonce,
                                      list(request.kv_append_metadata),
-                                     slot_range(self.seq.pages, engine.page_size, begin, end),
-                                     layer_skips(engine.model.config, begin, end), self.deadline)
+                                     slot_range(self.seq.pages, engine.page_size, begin, end), self.deadline)
         return self.peer.address

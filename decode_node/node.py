@@ -54,7 +54,7 @@ class DecodeNode:
     def __init__(self, config: DecodeNodeConfig, model: DecoderModel, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.engine = Engine(model, config.kv_pages, config.page_size)
+        self.engine = Engine(model, config.kv_pages, config.page_size, config.sliding_pages)
         self.tracer = Tracer(f"decode {config.advertise_address}", config.trace_requests)
         self.requests = RequestTable(self.engine)
         self.scheduler = Scheduler(self.engine, tokenizer, config.max_batch_tokens, tracer=self.tracer,
@@ -77,7 +77,7 @@ class DecodeNode:
         name = f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}"
         self.writer_gate = WriterGate(config, self.engine, self.requests, self.metrics, self.tracer, name=name)
         # This node writes KV too: a running request's, into the decode node it migrates to.
-        self.kv_writer = KvWriter(self.engine.pool, open_sender(config.transport, self.engine.pool, f"{name}-sender"),
+        self.kv_writer = KvWriter(self.engine, open_sender(config.transport, self.engine.pool, f"{name}-sender"),
                                   fingerprint_of(model, self.engine.pool), config.advertise_address, config.tls)
         self.prefill_pool.on_load = lambda member: self.writer_gate.seen_run(member.address, member.load.incarnation)
         self.reservations = Reservations(config, self.engine, self.scheduler, self.requests, self.admission,

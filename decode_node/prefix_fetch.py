@@ -89,8 +89,7 @@ class PrefixFetch:
     def send(self, req: SendRequest, timeout_s: float | None) -> SendResult:
         """SendPrefix: write positions [kv_window_begin, kv_window_end) of the prompt, all held
         here, into `decode_address`'s reservation."""
-        cfg = self.engine.model.config
-        metadata = check_send_request(req, cfg.vocab_size, cfg.max_position_embeddings)
+        metadata = check_send_request(req, self.engine.model)
         begin, end = req.kv_window_begin, req.kv_window_end
         tokens = list(req.token_ids[:end])
         deadline = time.monotonic() + min(timeout_s or FETCH_TIMEOUT_S, FETCH_TIMEOUT_S)
@@ -100,22 +99,25 @@ class PrefixFetch:
         with self.engine.lock:  # a longrope prompt's pages: those of its long-factor K/V
             salt = self.engine.cache_salt(self.engine.long_rope(len(req.token_ids)))
             pages, matched = self.engine.prefix_cache.match(tokens[: end // ps * ps], salt)
+            window = self.engine.hold_window_of(pages, matched)
         try:
             if matched < end:
                 raise FailedPrecondition(f"this node holds {matched} of the {end} prompt tokens asked for (whole "
                                          f"pages of its prefix cache or disk tier): compute them instead")
             peer = self.kv_writer.peers.get(req.decode_address)
-            skips = layer_skips(self.engine.model.config, begin, end)
             self.kv_writer.write(peer, req.request_id, req.transfer_nonce, metadata,
-                                 slot_range(pages, ps, begin, end), skips, deadline)
+                                 slot_range(pages, ps, begin, end), deadline)
         finally:
             with self.engine.lock:
+                self.engine.drop_window_of(window)
                 self.engine.allocator.decref(pages)
         seconds = time.perf_counter() - started
         self.tracer.event(req.request_id, "prefix_sent", decode=req.decode_address, tokens=end - begin,
                           seconds=round(seconds, 6))
         return SendResult(tokens_sent=end - begin, tokens_computed=0,
-                          bytes_sent=transfer_bytes(self.engine.pool, end - begin, skips), transfer_seconds=seconds)
+                          bytes_sent=transfer_bytes(self.engine.pool, end - begin,
+                                                    layer_skips(self.engine.model.config, begin, end)),
+                          transfer_seconds=seconds)
 
 
 class _Holder:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from common.engine.core import Engine, Sequence, locked
 from common.engine.generation import Group, RequestHandle
 from common.engine.sampling import SamplingParams
-from common.kv.segments import Segments
+from common.kv.segments import Placement
 
 
 class Status(enum.Enum):
@@ -72,12 +72,13 @@ class IllegalTransition(RuntimeError):
 
 @dataclass
 class Reservation:
-    """Pages PrepareReceive reserved for a writer: positions [begin, end) arrive into `segments`."""
+    """Pages PrepareReceive reserved for a writer: positions [begin, end) arrive where `placement`
+    says (the sliding layers' window into the sliding group's slots, where the pool has one)."""
 
     seq: Sequence  # the matched prefix plus the reserved pages
     prefix_matched: int
     end: int
-    segments: Segments
+    placement: Placement
     nonce: int
     deadline: float  # time.time() seconds
     transfer_started: float | None = None  # time.perf_counter() of the writer's first BeginTransfer
@@ -86,7 +87,7 @@ class Reservation:
 
     @property
     def begin(self) -> int:
-        return self.end - self.segments.num_slots
+        return self.end - self.placement.full.num_slots
 
 
 @dataclass(eq=False)

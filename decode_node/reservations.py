@@ -22,13 +22,13 @@ from common.engine.generation import Continuation, RequestHandle
 from common.engine.sampling import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from common.kv.segments import Segments, slot_range
+from common.kv.page_allocator import OutOfPages
 from common.node_messages import ReceiveWindow
 from common.peers.hand_off import KvSource, hand_off
 from common.peers.prefill_pool import PrefillPool
 from common.serving.kv_tiers import KvTiers
 from common.tracing import Tracer
-from decode_node.admission import Admission
+from decode_node.admission import Admission, NotAdmitted
 from decode_node.config import DecodeNodeConfig
 from decode_node.migration import sample_request_id
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
@@ -75,7 +75,11 @@ class Reservations:
         try:
             begin = self.engine.receive_begin(seq, end) if receiving else seq.num_computed
             self.admission.require_fit(self.engine.pages_needed(seq, end), len(tokens))
-            self.engine.reserve(seq, end)
+            try:
+                self.engine.reserve(seq, end)
+            except OutOfPages as exc:  # of the sliding group: require_fit counted the full pages
+                raise NotAdmitted("pages", f"the KV pool's sliding group cannot hold this request's window now: "
+                                           f"{exc} (--kv-sliding-pages)") from None
         except BaseException:
             self.engine.release(seq, cache=False)
             raise
@@ -105,18 +109,18 @@ class Reservations:
                     lambda: self.admitted_sequence(request_id, tokens, resolved, receiving=True),
                     cancelled, deadline)
             matched = seq.num_computed
-            segments = Segments.of_slots(slot_range(seq.pages, self.engine.page_size, begin, max(begin, resolved)))
+            placement = self.engine.placement(seq, begin, max(begin, resolved))
             lease_deadline = time.time() + self.config.lease_seconds
-            entry.reservation = Reservation(seq, matched, resolved, segments, secrets.randbits(63), lease_deadline,
+            entry.reservation = Reservation(seq, matched, resolved, placement, secrets.randbits(63), lease_deadline,
                                             from_disk=read_back.tokens, writer=writer)
             self.requests.move(entry, Status.RESERVED)
             if matched >= resolved:  # the prefix cache holds it all: nothing to send
                 self.requests.move(entry, Status.RECEIVED)
         self.tracer.event(request_id, "prefix_matched", matched_tokens=matched, prompt_tokens=n)
-        self.tracer.event(request_id, "pages_reserved", pages=len(seq.held_pages), slots=segments.num_slots)
+        self.tracer.event(request_id, "pages_reserved", pages=len(seq.held_pages), slots=placement.full.num_slots)
         return ReceiveWindow(
             prompt_length=n, prefix_matched_length=matched, kv_window_begin=begin, kv_window_end=resolved,
-            kv_append_metadata=segments.to_wire(), lease_deadline_unix=lease_deadline,
+            kv_append_metadata=placement.to_wire(), lease_deadline_unix=lease_deadline,
             transfer_nonce=entry.reservation.nonce)
 
     def start_generation(self, request_id: str, kv_window_begin: int, params: SamplingParams,

@@ -17,17 +17,17 @@ import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
 from common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from common.kv.segments import RELEASED
 from common.serving.fingerprint import fingerprint_of, mismatch
 from common.serving.incarnation import provably_gone
 from common.tracing import Tracer
 from common.transports import open_receiver
 from common.transports.checksum import first_mismatch, kv_checksums
 from common.transports.connector import WriteWindow
+from common.transports.layer_slots import receiver_layer_slots
 from common.transports.pieces import transfer_bytes
 from common.transports.fences import WriteFences
 from decode_node.config import DecodeNodeConfig
@@ -47,7 +47,7 @@ class WriterGate:
         self._requests = requests
         self._metrics = metrics
         self._tracer = tracer
-        self.fences = WriteFences(engine.allocator, engine.lock, config.quarantine_seconds)
+        self.fences = WriteFences(engine.allocator, engine.lock, config.quarantine_seconds, engine.sliding)
         # One thread checks KV: torch's OpenMP gives every thread that runs a parallel op a team of
         # its own, so checking on each gRPC worker would grow a team per worker.
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
@@ -72,6 +72,7 @@ class WriterGate:
         info = self.receiver.info()
         info.fingerprint.CopyFrom(ours)
         info.num_slots = self.engine.pool.num_slots
+        info.sliding_slots = self.engine.pool.sliding_slots
         info.verify_kv = self.verify_kv
         if writer is not None and writer.incarnation:
             self.seen_run(writer.address, writer.incarnation, writer)
@@ -122,10 +123,13 @@ class WriterGate:
             r = entry.reservation
             if entry.status is Status.RECEIVED:
                 raise FailedPrecondition(f"the transfer for {request_id!r} already completed")
-            if metadata != r.segments.to_wire():
+            if metadata != r.placement.to_wire():
                 raise InvalidArgument(f"kv_append_metadata does not match the slots reserved for {request_id!r}")
-            self.receiver.admit(WriteWindow(request_id, nonce, r.segments, tuple(r.seq.held_pages),
-                                            alive=lambda: self._requests.holds_reservation(entry), writer=writer))
+            seq = r.seq
+            windowed = tuple(p for p in seq.pages[seq.sliding_from : seq.sliding_to] if p != RELEASED)
+            self.receiver.admit(WriteWindow(request_id, nonce, r.placement, tuple(seq.held_pages),
+                                            alive=lambda: self._requests.holds_reservation(entry), writer=writer,
+                                            windowed=windowed if self.engine.sliding else ()))
             r.transfer_started = time.perf_counter()
             self._requests.move(entry, Status.RECEIVING)
         self._tracer.event(request_id, "transfer_started")
@@ -155,10 +159,10 @@ class WriterGate:
             if not self._requests.holds_reservation(entry):
                 raise NotFound(f"no reservation {request_id!r}: it expired or was aborted during CompleteTransfer")
             if entry.status is not Status.RECEIVED:
-                nbytes = transfer_bytes(self.engine.pool, r.segments.num_slots, self._skips(r))
+                nbytes = transfer_bytes(self.engine.pool, r.placement.full.num_slots, self._skips(r))
                 self._metrics.transfers.completed(nbytes,
                                                   time.perf_counter() - (r.transfer_started or time.perf_counter()),
-                                                  len(r.segments))
+                                                  len(r.placement.full))
                 self._requests.move(entry, Status.RECEIVED)
         self._tracer.event(request_id, "transfer_complete")
 
@@ -172,8 +176,8 @@ class WriterGate:
         if not checksums:
             raise InvalidArgument("kv_checksums are missing: this decode node verifies received KV (--verify-kv on)")
         r = entry.reservation
-        slots = torch.from_numpy(r.segments.slots())
-        ours = self._checker.submit(kv_checksums, self.engine.pool, slots, self._skips(r)).result()
+        slots = receiver_layer_slots(r.placement, self._skips(r), self.engine.model.sliding_layers)
+        ours = self._checker.submit(kv_checksums, self.engine.pool, slots).result()
         where = first_mismatch(ours, list(checksums))
         if where is None:
             return

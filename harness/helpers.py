@@ -116,10 +116,13 @@ def three_calls(dn: Daemon, pn: Daemon, request_id: str, prompt: list[int], max_
 
 
 def no_leak(d: Daemon) -> bool:
-    """Every KV page of `d` free or cached, none reserved (by its metrics alone)."""
+    """Every KV page of `d` free or cached, none reserved, and of a sliding group's pages none
+    held but for a cached page (by its metrics alone)."""
     m = d.metrics()
-    return m["duet_kv_pages_free"] + m.get("duet_kv_pages_cached", 0) == m["duet_kv_pages_total"] and \
-        m.get("duet_kv_pages_reserved", 0) == 0
+    cached = m.get("duet_kv_pages_cached", 0)
+    sliding_held = m.get("duet_kv_sliding_pages_total", 0) - m.get("duet_kv_sliding_pages_free", 0)
+    return m["duet_kv_pages_free"] + cached == m["duet_kv_pages_total"] and \
+        m.get("duet_kv_pages_reserved", 0) == 0 and sliding_held <= cached
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:

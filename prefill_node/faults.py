@@ -30,7 +30,7 @@ class _Misdirected:
         if layer == 0 and pieces and not self._corrupted:
             self._corrupted = True
             p = pieces[0]
-            wrong = p.src_slot + 1 if p.src_slot + 1 < self._pool.num_slots else p.src_slot - 1
+            wrong = p.src_slot + 1 if p.src_slot + 1 < self._pool.slots_of(layer) else p.src_slot - 1
             rest = [Piece(p.src_slot + 1, p.dst_slot + 1, p.num_slots - 1)] if p.num_slots > 1 else []
             pieces = [Piece(wrong, p.dst_slot, 1), *rest, *pieces[1:]]
         self._inner.post_layer(layer, pieces)

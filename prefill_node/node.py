@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 import uuid
 
+import numpy as np
+
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
 from common.errors import DeadlineExceeded, ErrorCode, RequestError
@@ -27,11 +29,11 @@ from prefill_node.scheduler import PrefillJob, PrefillScheduler
 class PrefillNode:
     def __init__(self, config: PrefillNodeConfig, model: DecoderModel) -> None:
         self.config = config
-        self.engine = Engine(model, config.kv_pages, config.page_size)
+        self.engine = Engine(model, config.kv_pages, config.page_size, config.sliding_pages)
         self.fingerprint = fingerprint_of(model, self.engine.pool)
         sender = open_sender(config.transport, self.engine.pool,
                              name=f"prefill-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}")
-        self.writer = KvWriter(self.engine.pool, sender, self.fingerprint, config.advertise_address, config.tls)
+        self.writer = KvWriter(self.engine, sender, self.fingerprint, config.advertise_address, config.tls)
         self.tracer = Tracer(f"prefill {config.advertise_address}", config.trace_requests)
         self.scheduler = PrefillScheduler(self.engine, config.max_batch_tokens, self.tracer,
                                           adaptive_threads=config.threads is None)
@@ -57,13 +59,12 @@ class PrefillNode:
         hand-off anyway, so the two should agree."""
         self.tracer.event(req.request_id, "received", rpc="RemoteSend", prompt_tokens=len(req.token_ids),
                           kv_window_begin=req.kv_window_begin, kv_window_end=req.kv_window_end)
-        cfg = self.engine.model.config
-        metadata = check_send_request(req, cfg.vocab_size, cfg.max_position_embeddings)
+        metadata = check_send_request(req, self.engine.model)
         begin, end = req.kv_window_begin, req.kv_window_end
         timeout_s = min(timeout_s or self.config.transfer_timeout_seconds, self.config.transfer_timeout_seconds)
         deadline = time.monotonic() + timeout_s
         peer = self.writer.peers.get(req.decode_address)
-        dst = self.writer.destination(peer, metadata, end - begin)
+        dst = self.writer.destination(peer, metadata, begin, end)
         started = time.perf_counter()
         read_back = self.tiers.read_back(req.request_id, req.token_ids[: end - 1], deadline)
         began = False
@@ -80,7 +81,7 @@ class PrefillNode:
                 self.metrics.transfers.failed(code.name.lower() if code else "internal")
             raise
 
-    def _prefill_into(self, req: SendRequest, transfer: OpenTransfer, dst: Segments, read_back_tokens: int,
+    def _prefill_into(self, req: SendRequest, transfer: OpenTransfer, dst: list[np.ndarray], read_back_tokens: int,
                       started: float, deadline: float, timeout_s: float) -> SendResult:
         """Compute the window's KV, its layers posted as the forward finishes each, and finish the
         transfer; the pages go back into the prefix cache once it landed."""
@@ -104,8 +105,9 @@ class PrefillNode:
             prefilled = time.perf_counter()
             self.tracer.event(req.request_id, "prefilled", computed_tokens=end - cached)
             with self.tracer.span(req.request_id, "transfer_finished", tokens=end - begin):
-                self.writer.finish(transfer, slot_range(seq.pages, self.engine.page_size, begin, end), deadline,
-                                   skips)
+                with self.engine.lock:  # the sliding group's window of the end is held until released
+                    src = self.writer.source(slot_range(seq.pages, self.engine.page_size, begin, end), skips)
+                self.writer.finish(transfer, src, deadline)
             self.tracer.event(req.request_id, "completion_sent")
             ok = True
         finally:
@@ -113,6 +115,7 @@ class PrefillNode:
         done = time.perf_counter()
         self.metrics.observe(end - cached, prefilled - started, done - started)
         nbytes = transfer_bytes(self.engine.pool, end - begin, skips)
-        self.metrics.transfers.completed(nbytes, done - (job.first_posted or prefilled), len(dst))
+        segments = len(Segments.of_slots(max(dst, key=len)))  # of the window's every position
+        self.metrics.transfers.completed(nbytes, done - (job.first_posted or prefilled), segments)
         return SendResult(tokens_sent=end - begin, tokens_computed=end - cached, bytes_sent=nbytes,
                           prefill_seconds=prefilled - started, transfer_seconds=done - started)

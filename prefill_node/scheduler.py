@@ -13,14 +13,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from common.engine.core import Engine, Sequence, locked
 from common.engine.loop import EngineLoop
 from common.errors import Internal, RequestError, ResourceExhausted, Unavailable
 from common.kv.page_allocator import OutOfPages
-from common.kv.segments import Segments, slot_range
+from common.kv.segments import slot_range
 from common.tracing import Tracer
 from common.transports.connector import Transfer
-from common.transports.pieces import Piece, per_layer, plan_pieces
+from common.transports.layer_slots import layer_pieces
+from common.transports.pieces import Piece
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +32,7 @@ log = logging.getLogger(__name__)
 class PrefillJob:
     seq: Sequence  # this node's sequence for token_ids[:end]
     begin: int
-    dst: Segments  # destination slots of positions [begin, end), on the receiving node
+    dst: list[np.ndarray]  # per layer, the receiving node's slots of what it moves (receiver_layer_slots)
     session: Transfer
     skips: tuple[int, ...]  # per layer, leading positions of [begin, end) it does not move (layer_skips)
     prefilled: threading.Event = field(default_factory=threading.Event)
@@ -41,17 +44,16 @@ class PrefillJob:
     def end(self) -> int:
         return len(self.seq.token_ids)
 
-    def pieces(self, engine: Engine, start: int, stop: int) -> list[Piece]:
-        """Pieces moving positions `[start, stop) ∩ [begin, end)`."""
+    def layer_pieces(self, engine: Engine, start: int, stop: int) -> list[list[Piece]]:
+        """Per layer, the pieces moving positions `[start, stop) ∩ [begin, end)` of what that
+        layer sends."""
         start, stop = max(start, self.begin), min(stop, self.end)
         if start >= stop:
-            return []
+            return [[] for _ in self.skips]
         src = slot_range(self.seq.pages, engine.page_size, start, stop)
-        return plan_pieces(src, self.dst.window(start - self.begin, stop - self.begin))
-
-    def layer_pieces(self, engine: Engine, start: int, stop: int) -> list[list[Piece]]:
-        """Per layer, the pieces moving positions `[start, stop)` of what that layer sends."""
-        return per_layer(self.skips, lambda skip: self.pieces(engine, max(start, self.begin + skip), stop))
+        sliding = engine.sliding
+        return layer_pieces(src, start - self.begin, self.skips, engine.pool.sliding_layers,
+                            None if sliding is None else sliding.slots, self.dst)
 
 
 class PrefillScheduler(EngineLoop):
@@ -100,8 +102,8 @@ class PrefillScheduler(EngineLoop):
         """Reserve pages for waiting jobs in order."""
         while self._waiting:
             job = self._waiting[0]
-            try:
-                self.engine.reserve(job.seq, job.end)
+            try:  # the sliding group's pages are held chunk by chunk (_step)
+                self.engine.reserve(job.seq, job.end, window=False)
             except OutOfPages:
                 if not self._jobs:  # nothing will free pages: it can never fit
                     self._waiting.pop(0)
@@ -116,6 +118,20 @@ class PrefillScheduler(EngineLoop):
                 self._trace_posted(job, layer, cached, source="prefix_cache")
                 job.session.post_layer(layer, cached)
 
+    def _hold_window(self, job: PrefillJob, n: int, nothing_runs: bool) -> bool:
+        """Whether the sliding group (a hybrid model's, common/engine/core.py) holds the pages of
+        `job`'s next `n` positions; a job that cannot get them while nothing else runs fails."""
+        try:
+            self.engine.hold_window(job.seq, job.seq.num_computed + n)
+            return True
+        except OutOfPages:
+            if nothing_runs:
+                self._jobs.remove(job)
+                job.error = ResourceExhausted("the prefill node's --kv-sliding-pages cannot hold a chunk of "
+                                              f"{n} positions beside its sliding window")
+                job.prefilled.set()
+            return False
+
     def _has_work(self) -> bool:
         return bool(self._jobs or self._waiting)
 
@@ -125,7 +141,7 @@ class PrefillScheduler(EngineLoop):
             work, budget = [], self.max_batch_tokens
             for job in self._jobs:
                 n = min(job.seq.num_pending, budget)
-                if n == 0:
+                if n == 0 or not self._hold_window(job, n, nothing_runs=not work):
                     break
                 work.append((job, n, job.layer_pieces(self.engine, job.seq.num_computed, job.seq.num_computed + n)))
                 budget -= n

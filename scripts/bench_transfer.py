@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 
 from common.kv.page_allocator import PageAllocator
-from common.kv.segments import Segments
+from common.kv.segments import Placement, Segments
 from common.kv.pool import KVPool
 from common.serving.dtype_choice import resolve_dtype
 from common.transports.pieces import Piece, plan_pieces
@@ -152,7 +152,8 @@ def _decode_side(conn: Connection, num_pages: int, segments: list[tuple[int, int
     slots = torch.tensor([s for start, n in segments for s in range(start, start + n)], device=device)
 
     allocator, lock = PageAllocator(num_pages), threading.RLock()
-    window = WriteWindow("bench", 0, Segments(tuple(segments)), tuple(allocator.allocate(num_pages)), lambda: True)
+    window = WriteWindow("bench", 0, Placement(Segments(tuple(segments))), tuple(allocator.allocate(num_pages)),
+                         lambda: True)
     fences = WriteFences(allocator, lock, quarantine_seconds=60.0)
     endpoints = [open_receiver(t, pool, fences, "127.0.0.1", "", name=f"{PEER}-{os.getpid()}",
                                transfers_pending=lambda: True) for t in transports]

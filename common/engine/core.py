@@ -23,12 +23,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from common.engine.attention_window import AttentionWindow
+from common.engine.attention_window import AttentionWindow, layer_skips
 from common.kv.events import KvEventLog
-from common.kv.page_allocator import PageAllocator
+from common.kv.page_allocator import OutOfPages, PageAllocator
 from common.kv.pool import KVPool
 from common.kv.prefix_cache import PrefixCache
-from common.kv.segments import RELEASED, slot_range, slots_at
+from common.kv.segments import RELEASED, Placement, Segments, slot_range, slots_at
+from common.kv.sliding_pages import SlidingPages
 from common.model.decoder import ForwardBatch, DecoderModel, SequenceSlice
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,6 +60,11 @@ class Sequence:
     partial_kv_before: int = 0
     # Longrope: its K/V computed with the long factors (Engine.long_rope), cached in their own tree.
     long_rope: bool = False
+    # A pool with a sliding group: the sequence holds the sliding partners of the pages of table
+    # entries [sliding_from, sliding_to) (common/kv/sliding_pages.py); those before are past its
+    # window, those after hold no position it computed or is about to.
+    sliding_from: int = 0
+    sliding_to: int = 0
 
     @property
     def held_pages(self) -> list[int]:
@@ -72,16 +78,23 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: DecoderModel, num_pages: int, page_size: int) -> None:
+    def __init__(self, model: DecoderModel, num_pages: int, page_size: int, sliding_pages: int | None = None) -> None:
+        """`sliding_pages`: for a hybrid model, the pages of its sliding layers' group (None: as
+        many as `num_pages`; 0: no group of their own, every layer on the same pages)."""
         self.model = model
-        self.pool: KVPool = model.new_pool(num_pages, page_size)
+        windows = [w for w in model.config.layer_windows or () if w is not None]  # a hybrid model's
+        self.sliding_window = max(windows, default=None)
+        sliding_pages = 0 if self.sliding_window is None else num_pages if sliding_pages is None else sliding_pages
+        self.pool: KVPool = model.new_pool(num_pages, page_size, sliding_pages)
         self.lock = threading.RLock()
         self.room_made = threading.Condition(self.lock)
         self.allocator = PageAllocator(num_pages, on_free=self.room_made.notify_all)
+        # The sliding group's pages, partnered with full pages (None: no sliding group).
+        self.sliding = (SlidingPages(num_pages, sliding_pages, page_size, self.room_made.notify_all)
+                        if sliding_pages else None)
         self.window = AttentionWindow.of(model.config)  # None: full attention, no page is released
         self.kv_events = KvEventLog(page_size)  # what WatchKvEvents streams
-        windows = [w for w in model.config.layer_windows or () if w is not None]  # a hybrid model's
-        self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events, max(windows, default=None))
+        self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events, self.sliding_window, self.sliding)
         # Longrope: sequences longer than this compute with the long factors (None: no longrope).
         self.long_rope_from = model.config.long_rope_from
 
@@ -131,15 +144,76 @@ class Engine:
         seq.partial_kv_before = self.prefix_cache.partial_before(seq.token_ids[:-1], salt)
         seq.pages, seq.num_computed = self.prefix_cache.match(seq.token_ids[:-1], salt)
         seq.num_cached = max(seq.num_cached, seq.num_computed)
+        if self.sliding is not None:  # the cache's match rule left every page of the window whole
+            seq.sliding_from = self._first_needed(seq.num_computed) // self.page_size
+            seq.sliding_to = len(seq.pages)
+            tail = seq.num_computed % self.page_size > 0  # a handed-over tail: its partner came with it
+            self.sliding.hold(seq.pages[seq.sliding_from : len(seq.pages) - tail], make=False)
 
     @locked
-    def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
+    def reserve(self, seq: Sequence, num_tokens: int, window: bool = True) -> list[int]:
         """Grow the page table to hold `num_tokens` positions, evicting cold cached prefixes
-        if needed; raises OutOfPages (leaving the sequence unchanged) when the pool is full."""
+        if needed; raises OutOfPages (leaving the sequence unchanged) when the pool is full. With
+        `window`, also `hold_window(seq, num_tokens)` (else the caller does, before computing)."""
         last = seq.pages[-1] if seq.pages and seq.pages[-1] != RELEASED else None
         new = self.prefix_cache.allocate_contiguous(self.pages_needed(seq, num_tokens), after=last)
         seq.pages.extend(new)
+        if window:
+            try:
+                self.hold_window(seq, num_tokens)
+            except OutOfPages:
+                del seq.pages[len(seq.pages) - len(new):]
+                self.allocator.decref(new)
+                raise
         return new
+
+    @locked
+    def hold_window(self, seq: Sequence, end: int) -> None:
+        """Hold the sliding partners of `seq`'s pages up to the one holding position `end - 1`,
+        made where missing, for a forward or a transfer to write (a hybrid model's sliding
+        group; nothing otherwise). Raises OutOfPages, holding nothing more, when the sliding
+        group has too few pages even after taking cold cached pages' sliding K/V."""
+        if self.sliding is None:
+            return
+        first, to = max(seq.sliding_from, seq.sliding_to), -(-end // self.page_size)
+        if to > first:
+            pages = [p for p in seq.pages[first:to] if p != RELEASED]
+            short = self.sliding.missing(pages) - self.sliding.allocator.num_free
+            if short > 0:
+                self.prefix_cache.evict_for_sliding(short)
+            self.sliding.hold(pages)
+            seq.sliding_to = to
+
+    def _first_needed(self, query: int) -> int:
+        """The first position a hybrid model's sliding layers read for a query at `query` or later."""
+        return max(0, query - self.sliding_window + 1)
+
+    @locked
+    def hold_window_of(self, pages: list[int], end: int) -> list[int]:
+        """For pages matched from the prefix cache outside a sequence (a holder answering
+        SendPrefix): hold the sliding K/V of those a query at `end` reads, so it stays while they
+        are read; returns what `drop_window_of` gives back."""
+        if self.sliding is None:
+            return []
+        held = pages[self._first_needed(end) // self.page_size :]
+        self.sliding.hold(held, make=False)
+        return held
+
+    @locked
+    def drop_window_of(self, held: list[int]) -> None:
+        if held:
+            self.sliding.drop(held)
+
+    @locked
+    def advance_window(self, seq: Sequence, first_kept: int) -> None:
+        """Drop the sliding partners of `seq`'s pages that lie wholly before position `first_kept`
+        (a hybrid model's sliding group; nothing otherwise)."""
+        if self.sliding is None:
+            return
+        first = first_kept // self.page_size
+        if first > seq.sliding_from:
+            self.sliding.drop(p for p in seq.pages[seq.sliding_from : min(first, seq.sliding_to)] if p != RELEASED)
+            seq.sliding_from, seq.sliding_to = first, max(first, seq.sliding_to)
 
     @locked
     def truncate(self, seq: Sequence) -> None:
@@ -147,6 +221,10 @@ class Engine:
         speculative draft positions that were rejected). They are private to `seq`: pages a
         sequence shares (prefix cache, forks) all lie before its computed end."""
         keep = -(-seq.num_computed // self.page_size)
+        if self.sliding is not None and seq.sliding_to > keep:
+            first = max(keep, seq.sliding_from)
+            self.sliding.drop(p for p in seq.pages[first : seq.sliding_to] if p != RELEASED)
+            seq.sliding_to = first
         extra, seq.pages = seq.pages[keep:], seq.pages[:keep]
         self.allocator.decref(p for p in extra if p != RELEASED)
 
@@ -160,17 +238,28 @@ class Engine:
         full, partial = divmod(computed, self.page_size)
         copy = self.prefix_cache.allocate(1) if partial else []
         shared = parent.pages[:full]
+        if self.sliding is not None:
+            try:
+                self.sliding.hold(shared[parent.sliding_from:] + copy)
+            except OutOfPages:
+                self.allocator.decref(copy)
+                raise
         self.allocator.incref(p for p in shared if p != RELEASED)
         if copy:
             self._copy_slots(parent.pages[full], copy[0], partial)
         return Sequence(seq_id, parent.token_ids[:computed], pages=shared + copy, num_computed=computed,
                         num_cached=parent.num_cached, partial_kv_before=parent.partial_kv_before,
-                        long_rope=parent.long_rope)
+                        long_rope=parent.long_rope, sliding_from=parent.sliding_from,
+                        sliding_to=max(parent.sliding_from, full + len(copy)) if self.sliding else 0)
 
     def _copy_slots(self, src_page: int, dst_page: int, n: int) -> None:
-        """Copy the first `n` slots of a page, K and V of every layer, into another page."""
+        """Copy the first `n` slots of a page, K and V of every layer, into another page (and
+        the sliding layers' from its partner into the other's)."""
         src, dst = src_page * self.page_size, dst_page * self.page_size
         self.pool.data[:, :, dst : dst + n] = self.pool.data[:, :, src : src + n]
+        if self.sliding is not None and self.sliding.has(src_page):
+            src, dst = (int(self.sliding.slots(torch.tensor([p * self.page_size]))) for p in (src_page, dst_page))
+            self.pool.sliding_data[:, :, dst : dst + n] = self.pool.sliding_data[:, :, src : src + n]
 
     def forward(
         self,
@@ -211,6 +300,7 @@ class Engine:
             positions=torch.cat(positions),
             slices=slices,
             logit_rows=torch.tensor(rows, dtype=torch.long),
+            sliding_slots=None if self.sliding is None else self.sliding.slots,
         )
         out = self.model.forward(batch, self.pool, on_layer_done)
         for seq, n in work:
@@ -239,12 +329,25 @@ class Engine:
         seq.pages.extend([RELEASED] * (position // self.page_size - len(seq.pages)))
 
     @locked
+    def placement(self, seq: Sequence, begin: int, end: int) -> Placement:
+        """Where a writer puts positions `[begin, end)` of `seq` (PrepareReceive's metadata): their
+        slots, and with a sliding group its slots of the positions a sliding layer is sent."""
+        full = slot_range(seq.pages, self.page_size, begin, end)
+        if self.sliding is None:
+            return Placement(Segments.of_slots(full))
+        skips = layer_skips(self.model.config, begin, end)
+        first = min(skips[i] for i in self.pool.sliding_layers)
+        return Placement(Segments.of_slots(full), Segments.of_slots(self.sliding.slots(full[first:])))
+
+    @locked
     def receive_begin(self, seq: Sequence, end: int) -> int:
         """For a receiver: the first position a writer must send (it sends `[begin, end)`) so
         that `seq`, holding its cached prefix, can compute on from `end`. With a sliding window
         the cached pages no query from `end` on attends are given back, and the table skips to
         `begin`'s page, so reserving `end` positions takes only the window's pages."""
-        if self.window is None:
+        if self.window is None:  # a hybrid model's sliding layers are sent their window only
+            if self.sliding is not None:
+                self.advance_window(seq, self._first_needed(max(seq.num_computed, end)))
             return seq.num_computed
         begin = self.window.transfer_begin(seq.num_computed, end)
         self.release_before(seq, min(begin, self.window.first_needed(max(seq.num_computed, end))))
@@ -253,7 +356,12 @@ class Engine:
     @locked
     def trim_to_window(self, seq: Sequence, keep_from: int | None = None) -> None:
         """After a forward: give back the pages no later query of `seq` attends (none without a
-        sliding window), keeping every position from `keep_from` on (a transfer still reads it)."""
+        sliding window), keeping every position from `keep_from` on (a transfer still reads it).
+        A hybrid model's sliding group gives back the sliding partners its window left."""
+        if self.sliding is not None:  # a transfer reads the sliding layers' window of its end only
+            needed = self._first_needed(seq.num_computed)
+            sent = None if keep_from is None else max(keep_from, self._first_needed(len(seq.token_ids)))
+            self.advance_window(seq, needed if sent is None else min(needed, sent))
         if self.window is None or not seq.pages:
             return
         before = self.window.first_needed(seq.num_computed)
@@ -265,14 +373,17 @@ class Engine:
         prefix cache so later requests can reuse them. Only the leading run of held pages can
         be recorded: a cached page stands for every token before it."""
         held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
-        if cache and seq.num_computed:
+        if cache and seq.num_computed:  # pages past its window lack their sliding K/V: partial
+            partial_before = max(seq.partial_kv_before, seq.sliding_from * self.page_size)
             self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held],
-                                     seq.partial_kv_before, self.cache_salt(seq.long_rope))
+                                     partial_before, self.cache_salt(seq.long_rope))
+        if self.sliding is not None:
+            self.sliding.drop(p for p in seq.pages[seq.sliding_from : seq.sliding_to] if p != RELEASED)
         self.allocator.decref(seq.held_pages)
         if cache and seq.num_computed:
             self.room_made.notify_all()  # its pages may have turned evictable
         seq.pages = []
-        seq.num_computed = seq.partial_kv_before = 0
+        seq.num_computed = seq.partial_kv_before = seq.sliding_from = seq.sliding_to = 0
 
     @locked
     def outgrow_short_rope(self, seq: Sequence) -> bool:

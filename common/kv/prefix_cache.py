@@ -67,6 +67,7 @@ import numpy as np
 from common.kv.block_hashes import ROOT_HASH, chain_hash, salted_root
 from common.kv.events import KvEventLog
 from common.kv.page_allocator import OutOfPages, PageAllocator
+from common.kv.sliding_pages import SlidingPages
 
 _HeapEntry = tuple[int, int, "_Node"]
 
@@ -116,14 +117,17 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PrefixCache:
     def __init__(self, allocator: PageAllocator, page_size: int, events: KvEventLog | None = None,
-                 window: int | None = None) -> None:
-        """`window`: a hybrid model's largest sliding window, which partial pages are checked against."""
+                 window: int | None = None, sliding: SlidingPages | None = None) -> None:
+        """`window`: a hybrid model's largest sliding window, which partial pages are checked
+        against; `sliding`: its sliding group, where the cache holds the partner of every whole
+        page it records ("Partial pages")."""
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         self.allocator = allocator
         self.events = events
         self.page_size = page_size
         self.window = window
+        self.sliding = sliding
         self._serials = itertools.count()
         self._roots: dict[int, _Node] = {}  # by salt, made on first insert
         self._clock = 0
@@ -192,6 +196,7 @@ class PrefixCache:
                 child = self._add(node, key, page, partial=partial)
             elif child.partial and not partial:  # the whole page replaces the partial one
                 self.allocator.incref([page])
+                self._hold_partner(page)
                 self.allocator.decref([child.page])
                 child.page, child.partial = page, False
                 self._report_cached(child)
@@ -274,6 +279,7 @@ class PrefixCache:
             stack.extend(node.kids())
             node.removed = True
             self._report_removed(node)
+            self._drop_partner(node)
             self.allocator.decref([node.page])
         self._roots.clear()
         self._full.clear()
@@ -382,6 +388,8 @@ class PrefixCache:
     def _add(self, parent: _Node, key: tuple[int, ...], page: int, is_tail: bool = False,
              partial: bool = False) -> _Node:
         self.allocator.incref([page])
+        if not partial:
+            self._hold_partner(page)
         node = _Node(key, page, parent, next(self._serials), is_tail, partial)
         (parent.tails if is_tail else parent.children)[key] = node
         self._num_nodes += 1
@@ -458,7 +466,36 @@ class PrefixCache:
 
     def _remove_leaf(self, node: _Node) -> None:
         self._detach(node)
+        self._drop_partner(node)
         self.allocator.decref([node.page])
+
+    def _hold_partner(self, page: int) -> None:
+        """A whole page's sliding K/V stays while the cache records it (the recorder holds it)."""
+        if self.sliding is not None:
+            self.sliding.hold([page], make=False)
+
+    def _drop_partner(self, node: _Node) -> None:
+        if self.sliding is not None and not node.partial:
+            self.sliding.drop([node.page])
+
+    def evict_for_sliding(self, n: int) -> None:
+        """Free up to `n` sliding pages: the sliding K/V of whole pages that only the cache keeps,
+        least recently used first, goes; a full page stays, partial (it still serves a match
+        whose window does not reach it), a tail goes with it (a partial tail is not recorded)."""
+        stack, whole = list(self._tops()), []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.kids())
+            if not node.partial and self.sliding.holders(node.page) == 1 and (
+                    not node.is_tail or self.allocator.refcount(node.page) == 1):
+                whole.append(node)
+        for node in sorted(whole, key=lambda node: node.last_access)[:n]:
+            if node.is_tail:
+                self._remove_leaf(node)
+            else:
+                self._drop_partner(node)
+                node.partial = True
+        self._publish()
 
 
 def _spans_to_free(allocator: PageAllocator, evictable: dict[int, tuple[_Node, int]], n: int) -> list[tuple[int, int]]:

@@ -126,3 +126,57 @@ class Segments:
             if at >= stop:
                 break
         return Segments(tuple(out))
+
+
+MULTI_GROUP = -2  # kv_append_metadata's first entry in the two-group form
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a receiver holds a transfer's window `[begin, end)`: `full`, the slots of every
+    position (all layers of a pool with one group, its full-attention layers otherwise), and for a
+    pool whose sliding layers have a group of their own (common/kv/pool.py), `sliding`: that
+    group's slots of the window's last `sliding.num_slots` positions, all a sliding layer is sent.
+
+    On the wire (`kv_append_metadata`) a placement without `sliding` is the single-group form
+    `[n, start_0, len_0, ...]`; with it, the two-group form `[-2, n, start_0, len_0, ..., m,
+    start_0, len_0, ...]`: the full group's n segments, then the sliding group's m."""
+
+    full: Segments
+    sliding: Segments | None = None
+
+    def to_wire(self) -> list[int]:
+        if self.sliding is None:
+            return self.full.to_wire()
+        return [MULTI_GROUP, *self.full.to_wire(), *self.sliding.to_wire()]
+
+    @classmethod
+    def from_wire(cls, metadata: Sequence[int] | np.ndarray, expected_tokens: int, num_slots: int,
+                  sliding_tokens: int | None = None, sliding_slots: int = 0) -> Placement:
+        """Untrusted metadata, checked as `Segments.from_wire` checks each group: the full group
+        against `expected_tokens` and `num_slots`, a sliding group against `sliding_tokens` (the
+        window's positions a sliding layer is sent; None: the reader's model has no sliding
+        layers, and refuses the two-group form) and `sliding_slots`. Raises `MetadataError`, or
+        `MultiGroupUnreadable` for a two-group form it cannot read."""
+        if len(metadata) == 0 or int(metadata[0]) != MULTI_GROUP:
+            return cls(Segments.from_wire(metadata, expected_tokens, num_slots))
+        if sliding_tokens is None:
+            raise MultiGroupUnreadable(
+                "kv_append_metadata is in the two-group form [-2, n, runs..., m, runs...] of a decode node that "
+                "keeps a hybrid model's sliding layers on pages of their own; this node's model has no sliding "
+                "layers, so the two nodes do not serve the same model")
+        if len(metadata) < 2:
+            raise MetadataError("kv_append_metadata [-2] names no groups; expected [-2, n, runs..., m, runs...]")
+        split = 2 + 2 * max(int(metadata[1]), 0)
+        groups = []
+        for name, part, tokens, slots in (("full", metadata[1:split], expected_tokens, num_slots),
+                                          ("sliding", metadata[split:], sliding_tokens, sliding_slots)):
+            try:
+                groups.append(Segments.from_wire(part, tokens, slots))
+            except MetadataError as exc:
+                raise MetadataError(f"the {name} group of the two-group form: {exc}") from None
+        return cls(*groups)
+
+
+class MultiGroupUnreadable(MetadataError):
+    """Two-group metadata at a node whose model has one group (FAILED_PRECONDITION)."""

@@ -30,6 +30,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] long: each token's rope row, its position (+ DecoderModel.long_rope_offset)
     slices: list[SequenceSlice]
     logit_rows: torch.Tensor  # [R] long: rows of T whose next-token logits are wanted
+    # A pool with a sliding group (common/kv/pool.py): full slots -> the sliding layers' slots.
+    sliding_slots: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def write_slots(self) -> torch.Tensor:
@@ -69,6 +71,8 @@ class DecoderModel:
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights.put(weights.tensors["lm_head.weight"]))
         self.layers = [weights.layer(i) for i in range(cfg.num_layers)]
         self.windows = {layer["window"] for layer in self.layers}  # None: full attention
+        # A hybrid model's sliding layers, which may keep their K/V in a group of their own.
+        self.sliding_layers = tuple(i for i, w in enumerate(cfg.layer_windows or ()) if w is not None)
         self.attention_scale = cfg.attention_scale or cfg.head_dim**-0.5
         # Soft-capped scores and sinks are computed as transformers' eager attention does.
         self.eager_attention = cfg.attention_softcap is not None or any("sinks" in layer for layer in self.layers)
@@ -103,9 +107,11 @@ class DecoderModel:
     def rope_sin(self) -> torch.Tensor:
         return self.rope_tables[False][1]
 
-    def new_pool(self, num_pages: int, page_size: int) -> KVPool:
+    def new_pool(self, num_pages: int, page_size: int, sliding_pages: int = 0) -> KVPool:
+        """With `sliding_pages`, a hybrid model's sliding layers get a group of their own."""
         cfg = self.config
-        return KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, self.device)
+        return KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, self.device,
+                      self.sliding_layers, sliding_pages)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dimension, the weight applied as the family's norm does."""
@@ -149,11 +155,12 @@ class DecoderModel:
         return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin), v
 
     def _plans(self, batch: ForwardBatch) -> dict[int | None, AttentionPlan]:
-        """One attention plan per window the layers use (None: the batch's slices as given)."""
+        """One attention plan per window the layers use (None: the batch's slices as given); a
+        hybrid model's sliding layers read their own group's slots where the pool has one."""
         plans = {}
         for window in self.windows:
             slices = batch.slices if window is None or self.config.layer_windows is None else [
-                within_window(s, window) for s in batch.slices]
+                within_window(s, window, batch.sliding_slots) for s in batch.slices]
             plans[window] = AttentionPlan(slices, self.device, self.attention_kernel, self.eager_attention)
         return plans
 
@@ -173,7 +180,10 @@ class DecoderModel:
         cfg = self.config
         nh, hd = cfg.num_heads, cfg.head_dim
         plans = self._plans(batch)
-        write_slots = batch.write_slots.to(self.device)
+        write_slots = batch.write_slots
+        slots_of = {False: write_slots.to(self.device)}  # by layer group: sliding or not
+        if batch.sliding_slots is not None:
+            slots_of[True] = batch.sliding_slots(write_slots).to(self.device)
         positions = batch.positions.to(self.device)
         # The torch path's rotation angles, gathered once for every layer (the kernel indexes them).
         angles = None
@@ -187,9 +197,9 @@ class DecoderModel:
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["attn_in"]) if "attn_in" in layer else x
             q, k, v = self._qkv(layer, h, positions, angles)
-            keys, values = pool.keys(i), pool.values(i)
-            keys.index_copy_(0, write_slots, k)
-            values.index_copy_(0, write_slots, v)
+            keys, values, slots = pool.keys(i), pool.values(i), slots_of[pool.is_sliding(i)]
+            keys.index_copy_(0, slots, k)
+            values.index_copy_(0, slots, v)
             attn = attend(q, keys, values, plans[layer["window"]], self.attention_scale, cfg.attention_softcap,
                           layer.get("sinks"))
             x = self._residual(x, layer["o"](attn.view(T, nh * hd)), layer.get("attn_out"))

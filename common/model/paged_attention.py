@@ -23,7 +23,7 @@ transformers' eager attention computes them.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,13 +94,16 @@ def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, size
     return (k <= q) & ((k > q - size) | (k < sinks))
 
 
-def within_window(s: SequenceSlice, window: int) -> SequenceSlice:
+def within_window(s: SequenceSlice, window: int,
+                  sliding_slots: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SequenceSlice:
     """A causal slice over its whole context as a layer with a sliding `window` attends it (a
-    hybrid model's sliding layers)."""
+    hybrid model's sliding layers), its keys' slots mapped by `sliding_slots` where the pool keeps
+    those layers in a group of their own."""
     assert s.mask is None, "a slice with its own mask is already windowed"
     first_query = s.context_len - s.num_new
     keys = window_keys(first_query, s.context_len, window)
-    return SequenceSlice(s.num_new, s.context_slots[keys],
+    slots = s.context_slots[keys]
+    return SequenceSlice(s.num_new, slots if sliding_slots is None else sliding_slots(slots),
                          window_mask(torch.arange(first_query, s.context_len), keys, window))
 
 

@@ -22,9 +22,11 @@ import numpy as np
 import torch
 
 from common.daemon_limits import check_prompt, check_request_id
-from common.errors import ErrorCode, InvalidArgument, RequestError, Unavailable
-from common.kv.pool import KVPool
-from common.kv.segments import MetadataError, Segments
+from common.engine.attention_window import layer_skips
+from common.engine.core import Engine
+from common.errors import ErrorCode, FailedPrecondition, InvalidArgument, RequestError, Unavailable
+from common.kv.segments import MetadataError, MultiGroupUnreadable, Placement
+from common.model.decoder import DecoderModel
 from common.node_messages import SendRequest
 from common.peers.decode_peers import DecodePeer, DecodePeers
 from common.serving.grpc_status import error_from_rpc
@@ -33,14 +35,14 @@ from common.serving.tls import TlsFiles
 from common.transports import TransferError
 from common.transports.checksum import kv_checksums
 from common.transports.connector import KvSender, Transfer
-from common.transports.pieces import per_layer, plan_pieces
+from common.transports.layer_slots import layer_pieces, receiver_layer_slots, sender_layer_slots
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def check_send_request(req: SendRequest, vocab_size: int, max_positions: int) -> list[int]:
+def check_send_request(req: SendRequest, model: DecoderModel) -> list[int]:
     """What a node is asked to write (RemoteSend, SendPrefix), checked before anyone is contacted:
     the request id, the prompt, the window `0 <= begin < end < len(token_ids)` (the decode node
     computes the last token itself) and the shape of `kv_append_metadata`, which is returned."""
@@ -49,13 +51,27 @@ def check_send_request(req: SendRequest, vocab_size: int, max_positions: int) ->
     if not 0 <= begin < end < n:
         raise InvalidArgument(f"need 0 <= kv_window_begin < kv_window_end < len(token_ids); got "
                               f"begin={begin}, end={end}, {n} tokens")
-    check_prompt(req.token_ids, vocab_size, max_positions)
+    cfg = model.config
+    check_prompt(req.token_ids, cfg.vocab_size, cfg.max_position_embeddings)
     metadata = list(req.kv_append_metadata)
+    read_placement(metadata, model, begin, end, 2**62, 2**62)
+    return metadata
+
+
+def read_placement(metadata: list[int], model: DecoderModel, begin: int, end: int, num_slots: int,
+                   sliding_slots: int) -> Placement:
+    """`kv_append_metadata` of a window `[begin, end)` for a pool of `num_slots` slots (and
+    `sliding_slots` in its sliding group): INVALID_ARGUMENT when it does not fit, FAILED_PRECONDITION
+    for the two-group form at a node whose model has no sliding layers."""
+    skips = layer_skips(model.config, begin, end)
+    sliding = [skips[i] for i in model.sliding_layers]
     try:
-        Segments.from_wire(metadata, end - begin, num_slots=2**62)
+        return Placement.from_wire(metadata, end - begin, num_slots, end - begin - min(sliding) if sliding else None,
+                                   sliding_slots)
+    except MultiGroupUnreadable as exc:
+        raise FailedPrecondition(str(exc)) from None
     except MetadataError as exc:
         raise InvalidArgument(f"kv_append_metadata: {exc}") from None
-    return metadata
 
 
 @dataclass
@@ -69,9 +85,10 @@ class OpenTransfer:
 
 
 class KvWriter:
-    def __init__(self, pool: KVPool, sender: KvSender, fingerprint: pb.CompatibilityFingerprint,
+    def __init__(self, engine: Engine, sender: KvSender, fingerprint: pb.CompatibilityFingerprint,
                  advertise_address: str, tls: TlsFiles) -> None:
-        self.pool = pool
+        self.engine = engine
+        self.pool = engine.pool
         self.sender = sender
         self.tls = tls
         self.peers = DecodePeers(fingerprint, writer_identity(advertise_address), sender, tls)
@@ -82,14 +99,22 @@ class KvWriter:
         self.peers.close()
         self.sender.close()
 
-    @staticmethod
-    def destination(peer: DecodePeer, metadata: list[int], positions: int) -> Segments:
-        """The reserved slots `metadata` names on `peer`, for a window of `positions` positions;
-        INVALID_ARGUMENT when they do not fit its pool."""
+    def destination(self, peer: DecodePeer, metadata: list[int], begin: int, end: int) -> list[np.ndarray]:
+        """Per layer, the reserved slots `metadata` names on `peer` of what the layer moves of the
+        window `[begin, end)` (`read_placement`, `receiver_layer_slots`)."""
         try:
-            return Segments.from_wire(metadata, positions, num_slots=peer.info.num_slots)
-        except MetadataError as exc:
-            raise InvalidArgument(f"kv_append_metadata does not fit decode node {peer.address}: {exc}") from None
+            placement = read_placement(metadata, self.engine.model, begin, end, peer.info.num_slots,
+                                       peer.info.sliding_slots)
+        except RequestError as exc:
+            raise type(exc)(f"decode node {peer.address}: {exc}") from None
+        return receiver_layer_slots(placement, layer_skips(self.engine.model.config, begin, end),
+                                    self.engine.model.sliding_layers)
+
+    def source(self, window: torch.Tensor, skips: Sequence[int]) -> list[np.ndarray]:
+        """Per layer, this node's slots of what the layer moves of a window whose positions lie
+        at the full slots `window` (`sender_layer_slots`)."""
+        sliding = self.engine.sliding
+        return sender_layer_slots(window, skips, self.pool.sliding_layers, None if sliding is None else sliding.slots)
 
     @contextmanager
     def transfer(self, peer: DecodePeer, request_id: str, nonce: int, metadata: list[int], deadline: float,
@@ -120,15 +145,14 @@ class KvWriter:
             raise Unavailable(str(exc)) from None
         return OpenTransfer(peer, request_id, nonce, transfer)
 
-    def finish(self, job: OpenTransfer, src_slots: np.ndarray | torch.Tensor, deadline: float,
-               skips: Sequence[int]) -> None:
+    def finish(self, job: OpenTransfer, src: list[np.ndarray], deadline: float) -> None:
         """Wait for every byte to land, then tell the decode node (CompleteTransfer, with the
-        checksums of this node's `src_slots`, less each layer's `skips`, when it verifies KV:
+        checksums of this node's slots `src` of each layer (`source`), when it verifies KV:
         computed meanwhile)."""
         peer = job.peer
         checksums = None
         if peer.info.verify_kv:
-            checksums = self._hasher.submit(kv_checksums, self.pool, torch.as_tensor(src_slots), skips)
+            checksums = self._hasher.submit(kv_checksums, self.pool, src)
         try:
             job.transfer.finish()
         except TransferError as exc:
@@ -142,17 +166,19 @@ class KvWriter:
             kv_checksums=checksums.result() if checksums else ()), deadline)
 
     def write(self, peer: DecodePeer, request_id: str, nonce: int, metadata: list[int], src_slots: torch.Tensor,
-              skips: Sequence[int], deadline: float) -> None:
+              deadline: float) -> None:
         """Write K/V this node holds, at `src_slots` (the reserved window's positions, in order),
-        into the reservation (request_id, nonce) at `peer`, layer i from position skips[i] of the
-        window on: admitted, every layer posted, every byte landed, confirmed."""
-        n = len(src_slots)
-        dst = self.destination(peer, metadata, n)
+        into the reservation (request_id, nonce) at `peer`, each layer what `layer_skips` says it
+        moves: admitted, every layer posted, every byte landed, confirmed."""
+        n, src = len(src_slots), torch.as_tensor(src_slots)
+        dst = self.destination(peer, metadata, 0, n)
+        skips = layer_skips(self.engine.model.config, 0, n)
+        sliding = self.engine.sliding
         with self.transfer(peer, request_id, nonce, metadata, deadline) as job:
-            pieces = per_layer(skips, lambda skip: plan_pieces(src_slots[skip:], dst.window(skip, n)))
-            for layer, layer_pieces in enumerate(pieces):
-                job.transfer.post_layer(layer, layer_pieces)
-            self.finish(job, src_slots, deadline, skips)
+            pieces = layer_pieces(src, 0, skips, self.pool.sliding_layers, None if sliding is None else sliding.slots, dst)
+            for layer, moved in enumerate(pieces):
+                job.transfer.post_layer(layer, moved)
+            self.finish(job, self.source(src, skips), deadline)
 
     def fail(self, job: OpenTransfer) -> None:
         """Stop a transfer that will not complete; when its writes landed unseen (one-sided) and

@@ -45,6 +45,9 @@ class DaemonConfig:
     transport: str = "nixl"
     page_size: int = 16  # prefill and decode nodes must agree (checked in the handshake)
     kv_pages: int = 1024  # 16k tokens at the default page size
+    # A hybrid model's sliding layers on pages of their own (common/kv/sliding_pages.py): how many.
+    # None: as many as kv_pages (none with --kv-offload-dir); 0: on the kv_pages with every layer.
+    kv_sliding_pages: int | None = None
     max_batch_tokens: int = 512
     threads: int | None = None  # compute threads, fixed; None = adaptive, up to one per CPU of --cpus and the quota
     cpus: tuple[int, ...] | None = None  # CPUs to run on; None = those the process was started with
@@ -65,6 +68,11 @@ class DaemonConfig:
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering replays
     kv_offload_dir: Path | None = None  # the disk tier of prefix pages (common/serving/kv_tiers.py); None = off
     kv_offload_gib: float = 16.0  # its size; least recently used pages go past it
+
+    @property
+    def sliding_pages(self) -> int | None:
+        """What the engine gets for --kv-sliding-pages (common/engine/core.py `Engine`)."""
+        return 0 if self.kv_sliding_pages is None and self.kv_offload_dir is not None else self.kv_sliding_pages
 
     @property
     def tls(self) -> TlsFiles:
@@ -105,6 +113,11 @@ class DaemonConfig:
             raise ValueError("--drain-seconds must be > 0")
         if (self.kv_events_topic or self.kv_events_replay_endpoint) and not self.kv_events_endpoint:
             raise ValueError("--kv-events-topic and --kv-events-replay-endpoint need --kv-events-endpoint")
+        if self.kv_sliding_pages is not None and self.kv_sliding_pages < 0:
+            raise ValueError("--kv-sliding-pages must be >= 0")
+        if self.kv_sliding_pages and self.kv_offload_dir is not None:
+            raise ValueError("--kv-offload-dir keeps every layer of a page on the disk tier: run it with "
+                             "--kv-sliding-pages 0 (a hybrid model's sliding layers on the same pages)")
         if not self.kv_offload_gib > 0:
             raise ValueError("--kv-offload-gib must be > 0")
         if self.kv_offload_dir is not None and self.kv_offload_dir.exists() and not self.kv_offload_dir.is_dir():
@@ -126,6 +139,10 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    help="KV data plane: NIXL's UCX backend or plain TCP (default %(default)s)")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (default %(default)s)")
     p.add_argument("--kv-pages", type=int, default=d.kv_pages, help="pages in the KV pool (default %(default)s)")
+    p.add_argument("--kv-sliding-pages", type=int, default=None, metavar="N",
+                   help="a hybrid model's (Gemma 2/3, gpt-oss) sliding layers on N pages of their own, which "
+                        "hold each request's window only (default: as many as --kv-pages; 0: on the --kv-pages "
+                        "with every layer, as --kv-offload-dir needs)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one engine step; longer prompts are chunked (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,

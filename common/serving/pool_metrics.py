@@ -21,10 +21,15 @@ def register_pool_gauges(registry: CollectorRegistry, engine: Engine, compute_th
     pool = engine.pool
     Gauge("duet_info", "What this node computes in: 1, labelled with the dtype and device of its weights and KV",
           ["dtype", "device"], registry=registry).labels(
-        dtype=str(pool.dtype).removeprefix("torch."), device=pool.data.device.type).set(1)
+        dtype=str(pool.dtype).removeprefix("torch."), device=pool.device.type).set(1)
     Gauge("duet_kv_pages_total", "Pages in the KV pool", registry=registry).set(engine.allocator.num_pages)
     Gauge("duet_kv_pages_free", "Pages on the free list", registry=registry).set_function(
         lambda: engine.allocator.num_free)
+    sliding = engine.sliding
+    Gauge("duet_kv_sliding_pages_total", "Pages of the pool's sliding group (a hybrid model's sliding layers, "
+          "--kv-sliding-pages; 0 without one)", registry=registry).set(0 if sliding is None else sliding.num_pages)
+    Gauge("duet_kv_sliding_pages_free", "Free pages of the sliding group", registry=registry).set_function(
+        lambda: 0 if sliding is None else sliding.allocator.num_free)
     Gauge("duet_kv_pages_cached", "Pages held by the prefix cache", registry=registry).set_function(
         lambda: read_locked(engine, lambda: engine.prefix_cache.num_cached_pages))
     Gauge("duet_prefix_cache_blocks", "Full pages the prefix cache holds (what WatchKvEvents reports)",

@@ -4,7 +4,7 @@ receiver from its own slots before the request may generate (`--verify-kv`), so 
 lost, misdirected or overwritten on the way (a late writer, an early free) is caught instead of
 served. Checksum `2 * layer + kv` covers that layer's K (`kv` 0) or V (1); a layer that a transfer
 moves only in part (a hybrid model's sliding layer, which gets its window) is hashed over the slots
-it moved: all but its first `skips[layer]`.
+it moved, in its own group where the pool gives its sliding layers one.
 
 On a CPU pool the hash streams over the window's runs of consecutive slots where they lie
 (a run of one (layer, K|V) is one contiguous byte range): gathering them into a fresh tensor
@@ -19,29 +19,34 @@ import xxhash
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from common.kv.pool import KVPool
 from common.kv.segments import Segments
 
 
-def kv_checksums(pool: KVPool, slots: torch.Tensor, skips: Sequence[int] | None = None) -> list[int]:
-    """The `2 * num_layers` checksums of the K/V at `slots` (position order), layer i's over
-    `slots[skips[i]:]`."""
-    skips = skips or (0,) * pool.num_layers
-    if pool.data.is_cuda:
-        rows = pool.data.index_select(2, slots.to(pool.data.device)).cpu()  # [layers, 2, n, heads, head_dim]
-        flat = rows.view(torch.uint8).reshape(pool.num_layers, 2, len(slots), -1).numpy()
-        return [xxhash.xxh3_64_intdigest(flat[layer, kv, skips[layer]:])
-                for layer in range(pool.num_layers) for kv in (0, 1)]
-    runs_of = {skip: Segments.of_slots(slots[skip:]).runs for skip in set(skips)}
-    if any(start < 0 or start + length > pool.num_slots for start, length in runs_of[min(skips)]):
-        raise IndexError(f"slots outside the pool's {pool.num_slots}")
-    per_slot = pool.data.view(torch.uint8).reshape(2 * pool.num_layers, pool.num_slots, -1).numpy()
+def kv_checksums(pool: KVPool, layer_slots: Sequence[np.ndarray]) -> list[int]:
+    """The `2 * num_layers` checksums of the K/V of each layer at its `layer_slots` (position
+    order, the slots of its group: common/transports/layer_slots.py)."""
     checksums = []
-    for i, row in enumerate(per_slot):
-        h = xxhash.xxh3_64()
-        for start, length in runs_of[skips[i // 2]]:
-            h.update(row[start:start + length])
-        checksums.append(h.intdigest())
+    runs_of: dict[int, tuple[tuple[int, int], ...]] = {}  # by id of a slot array: layers share them
+    for layer, slots in enumerate(layer_slots):
+        kv = pool.layer_kv(layer)
+        if kv.is_cuda:
+            rows = kv.index_select(1, torch.as_tensor(slots, device=kv.device)).cpu()  # [2, n, heads, head_dim]
+            flat = rows.view(torch.uint8).reshape(2, len(slots), -1).numpy()
+            checksums += [xxhash.xxh3_64_intdigest(flat[i]) for i in (0, 1)]
+            continue
+        if id(slots) not in runs_of:
+            runs_of[id(slots)] = Segments.of_slots(slots).runs
+            if any(start < 0 or start + length > kv.shape[1] for start, length in runs_of[id(slots)]):
+                raise IndexError(f"slots outside layer {layer}'s {kv.shape[1]}")
+        per_slot = kv.view(torch.uint8).reshape(2, kv.shape[1], -1).numpy()
+        for row in per_slot:
+            h = xxhash.xxh3_64()
+            for start, length in runs_of[id(slots)]:
+                h.update(row[start:start + length])
+            checksums.append(h.intdigest())
     return checksums
 
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.kv.segments import Segments
+from common.kv.pool import KVPool
+from common.kv.segments import Placement, Segments
 from common.transports.fences import WriteFences
 from common.transports.pieces import Piece
 from protos.duet.v1 import duet_pb2 as pb
@@ -33,10 +34,16 @@ class WriteWindow:
 
     request_id: str
     nonce: int
-    segments: Segments
+    placement: Placement
     pages: tuple[int, ...]
     alive: Callable[[], bool]
     writer: int = 0
+    windowed: tuple[int, ...] = ()  # of `pages`, those whose sliding partners are fenced too
+
+    def granted(self, pool: KVPool, layer: int) -> Segments:
+        """The slots of `layer` the writer may write: its group's."""
+        sliding = self.placement.sliding
+        return sliding if sliding is not None and pool.is_sliding(layer) else self.placement.full
 
 
 class KvReceiver(Protocol):

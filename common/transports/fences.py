@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.kv.page_allocator import PageAllocator
+from common.kv.sliding_pages import SlidingPages
 
 if TYPE_CHECKING:
     from common.transports.connector import WriteWindow
@@ -38,8 +39,12 @@ class Fence:
 
 
 class WriteFences:
-    def __init__(self, allocator: PageAllocator, lock: threading.RLock, quarantine_seconds: float) -> None:
+    def __init__(self, allocator: PageAllocator, lock: threading.RLock, quarantine_seconds: float,
+                 sliding: SlidingPages | None = None) -> None:
+        """`sliding`: the pool's sliding group, whose partners of a window's `windowed` pages
+        are fenced with them (a writer writes the sliding layers' window there)."""
         self._allocator = allocator
+        self._sliding = sliding
         self._lock = lock
         self._quarantine_seconds = quarantine_seconds
         self._fences: list[Fence] = []  # oldest first; a window may see several writers
@@ -51,12 +56,16 @@ class WriteFences:
         fence = Fence(window, deadline)
         with self._lock:
             self._allocator.incref(window.pages)
+            if self._sliding is not None:
+                self._sliding.hold(window.windowed, make=False)
             self._fences.append(fence)
         return fence
 
     def lift(self, fence: Fence) -> None:
         with self._lock:
             self._fences.remove(fence)
+            if self._sliding is not None:
+                self._sliding.drop(fence.window.windowed)
             self._allocator.decref(fence.window.pages)
 
     def lift_writer(self, request_id: str, nonce: int) -> bool:

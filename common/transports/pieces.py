@@ -7,7 +7,7 @@ contiguous byte range on each side for every (layer, K|V).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,41 +41,16 @@ def plan_pieces(src_slots: Sequence[int] | np.ndarray, dst: Segments) -> list[Pi
     return pieces
 
 
-def per_layer(skips: Sequence[int], pieces_from: Callable[[int], list[Piece]]) -> list[list[Piece]]:
-    """Each layer's pieces when layer i leaves out the first `skips[i]` positions of a transfer
-    (the sliding layers of a hybrid model, common/engine/attention_window.layer_skips);
-    `pieces_from(skip)` is computed once per distinct skip."""
-    memo: dict[int, list[Piece]] = {}
-    return [memo[skip] if skip in memo else memo.setdefault(skip, pieces_from(skip)) for skip in skips]
-
-
 def transfer_bytes(pool: KVPool, num_slots: int, skips: Sequence[int]) -> int:
     """Bytes a transfer of `num_slots` positions moves: K and V of every layer, less each layer's
     skipped leading positions."""
     return sum(num_slots - skip for skip in skips) * 2 * pool.slot_bytes()
 
 
-def byte_offset(pool_shape_slots: int, slot_bytes: int, layer: int, kv: int, slot: int) -> int:
-    """Offset of a slot of one (layer, K|V) from the start of a pool tensor."""
-    return ((layer * 2 + kv) * pool_shape_slots + slot) * slot_bytes
-
-
 def layer_byte_ranges(pool: KVPool, layer: int, slots_and_counts: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """Absolute (address, nbytes) of the given slot runs of one layer, K runs then V runs."""
-    base, sb = pool.data.data_ptr(), pool.slot_bytes()
-    return [(base + byte_offset(pool.num_slots, sb, layer, kv, start), n * sb)
-            for kv in (0, 1) for start, n in slots_and_counts]
-
-
-def page_blocks(base: int, num_layers: int, num_slots: int, page_size: int, slot_bytes: int) -> np.ndarray:
-    """`(num_layers * 2 * num_pages, 2)` array of (address, nbytes): every page of every
-    (layer, K|V) of a pool tensor at `base`, block `(layer * 2 + kv) * num_pages + page`."""
-    num_pages = num_slots // page_size
-    page_bytes = page_size * slot_bytes
-    blocks = np.empty((num_layers * 2 * num_pages, 2), dtype=np.int64)
-    blocks[:, 0] = base + np.arange(num_layers * 2 * num_pages, dtype=np.int64) * page_bytes
-    blocks[:, 1] = page_bytes
-    return blocks
+    base, sb, layout = pool.storage.data_ptr(), pool.slot_bytes(), pool.layout
+    return [(base + layout.offset(layer, kv, start), n * sb) for kv in (0, 1) for start, n in slots_and_counts]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -148,22 +149,41 @@ _HAND_OFFS = [(name, transport) for i, name in enumerate(FAMILIES) for transport
               if name in HYBRID | MOE or transport == ("nixl", "tcp")[i % 2]]
 
 
+# A hybrid model's sliding groups (--kv-sliding-pages) on (prefill node, decode node): 6 pages
+# hold a window of 8 and a chunk of 8 at page size 4, against 40-token prompts. Mixed both ways,
+# small on both, the default (as many as --kv-pages) and none.
+_SLIDING_GROUPS = {("gemma2", "nixl"): ("0", "6"), ("gemma2", "tcp"): ("6", "0"), ("gemma3_text", "nixl"): ("6", "6"),
+                   ("gemma3_text", "tcp"): ("6", "6"), ("gpt_oss", "nixl"): (None, None), ("gpt_oss", "tcp"): ("0", "0")}
+
+
+def _sliding_flags(pages: str | None) -> tuple[str, ...]:
+    return () if pages is None else ("--kv-sliding-pages", pages, "--max-batch-tokens", "8")
+
+
 @pytest.mark.parametrize(("name", "transport"), _HAND_OFFS)
 def test_hand_off_matches_transformers(name, transport, tmp_path):
     """Generate prefilled by the prefill node; for a hybrid model also the three calls by hand: the
     sliding layers get only their window (RemoteSend's bytes_sent, the decode node's byte count),
-    and the decode node serves those partial pages only to prompts whose window stays clear of them."""
+    into the decode node's sliding group where it has one (the two-group metadata), and the decode
+    node serves those partial pages only to prompts whose window stays clear of them. A model
+    without sliding layers refuses the two-group form."""
     hf = _save(name, tmp_path / "model")
     common = (*FP32, "--model", str(tmp_path / "model"), "--transport", transport, "--threads", "1",
               "--page-size", "4")
-    with started_pair(tmp_path, common, (*common, "--min-remote-prefill-tokens", "1")) as (dn, pn):
+    prefill_group, decode_group = _SLIDING_GROUPS.get((name, transport), (None, None))
+    with started_pair(tmp_path, (*common, *_sliding_flags(prefill_group)),
+                      (*common, *_sliding_flags(decode_group), "--min-remote-prefill-tokens", "1")) as (dn, pn):
         for seed in (9, 10):
             prompt = _prompt(seed)
             assert _generate(dn, f"{name}-{seed}", prompt) == hf_greedy(hf, prompt, 12)
         assert pn.metrics()["duet_prefill_computed_tokens_total"] == 2 * (PROMPT - 1)  # prefilled remotely
         if name in HYBRID:
-            _check_windowed_hand_off(dn, pn, hf)
-        assert no_leak(dn) and no_leak(pn)
+            _check_windowed_hand_off(dn, pn, hf, two_groups=decode_group != "0")
+        else:
+            _check_two_groups_refused(dn, pn)
+        for node, group in ((pn, prefill_group), (dn, decode_group)):
+            assert no_leak(node)
+            assert (node.metrics()["duet_kv_sliding_pages_total"] > 0) == (name in HYBRID and group != "0")
 
 
 @pytest.mark.parametrize("name", ["qwen3", "mixtral"])
@@ -189,10 +209,24 @@ def _generate(dn, request_id: str, prompt: list[int], n: int = 12) -> list[int]:
     return [t for chunk in stream for t in chunk.token_ids]
 
 
-def _check_windowed_hand_off(dn, pn, hf) -> None:
+def _check_two_groups_refused(dn, pn) -> None:
+    """Two-group metadata names a sliding group this model has not: FAILED_PRECONDITION, and the
+    prefill node serves on."""
+    prompt = _prompt(11)
+    with pytest.raises(grpc.RpcError) as refused:
+        pn.stub.RemoteSend(pb.RemoteSendRequest(
+            request_id="two-groups", token_ids=prompt, kv_window_begin=0, kv_window_end=PROMPT - 1,
+            kv_append_metadata=[-2, 1, 0, PROMPT - 1, 1, 0, WINDOW - 1], decode_address=dn.address, transfer_nonce=1))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "two-group form" in refused.value.details()
+    assert _generate(dn, "after-refusal", prompt) == _generate(dn, "after-refusal-again", prompt)
+
+
+def _check_windowed_hand_off(dn, pn, hf, two_groups: bool) -> None:
     prompt = _prompt(11)
     r = dn.stub.PrepareReceive(pb.PrepareReceiveRequest(request_id="windowed", token_ids=prompt))
     assert (r.kv_window_begin, r.kv_window_end) == (0, PROMPT - 1)  # the full layers need every position
+    assert (r.kv_append_metadata[0] == -2) == two_groups
     received = dn.metrics()["duet_kv_transfer_bytes_total"]
     sent = pn.stub.RemoteSend(pb.RemoteSendRequest(
         request_id="windowed", token_ids=prompt, kv_window_begin=0, kv_window_end=PROMPT - 1,

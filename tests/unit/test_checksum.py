@@ -7,7 +7,13 @@ import torch
 import xxhash
 
 from common.kv.pool import KVPool
-from common.transports.checksum import first_mismatch, kv_checksums
+from common.transports.checksum import first_mismatch
+from common.transports.checksum import kv_checksums as layer_checksums
+
+
+def kv_checksums(pool: KVPool, slots: torch.Tensor, skips: tuple[int, ...] | None = None) -> list[int]:
+    """Each layer's checksums over `slots[skip:]` (one slot array per layer, as a transfer gives)."""
+    return layer_checksums(pool, [slots[skip:].numpy() for skip in skips or (0,) * pool.num_layers])
 
 
 def _pools(dtype: torch.dtype) -> tuple[KVPool, KVPool]:
@@ -65,3 +71,21 @@ def test_a_layer_that_skips_positions_is_hashed_over_the_rest_only():
     assert kv_checksums(src, slots, skips)[2:4] == [xxhash.xxh3_64_intdigest(row) for row in gathered]
     dst.data[1, 1, 10] += 1.0  # a sent position of layer 1 V
     assert first_mismatch(kv_checksums(src, slots, skips), kv_checksums(dst, slots, skips)) == "layer 1 V"
+
+
+def test_a_sliding_group_hashes_its_own_slots_as_a_pool_without_one_hashes_the_same_bytes():
+    """A pool whose sliding layers have a group of their own (a hybrid model's, common/kv/pool.py)
+    gives the checksums of a pool without one holding the same K/V: the digest is of the bytes,
+    wherever each layer keeps them."""
+    plain = KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_pages=8, page_size=4)
+    grouped = KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_pages=8, page_size=4, sliding_layers=(0, 2),
+                     sliding_pages=2)
+    plain.data.copy_(torch.randn_like(plain.data))
+    slots, sliding_slots = torch.tensor([9, 10, 11, 12]), torch.tensor([5, 6, 7, 0])
+    for layer in range(3):
+        at = sliding_slots if grouped.is_sliding(layer) else slots
+        grouped.layer_kv(layer)[:, at] = plain.layer_kv(layer)[:, slots]
+    per_layer = [(sliding_slots if grouped.is_sliding(layer) else slots).numpy() for layer in range(3)]
+    assert layer_checksums(grouped, per_layer) == kv_checksums(plain, slots)
+    grouped.sliding_data[1, 0, 6, 0, 0] += 1.0  # layer 2 K, in the sliding group
+    assert first_mismatch(kv_checksums(plain, slots), layer_checksums(grouped, per_layer)) == "layer 2 K"

@@ -25,6 +25,9 @@ def test_defaults():
     assert d.routing_policy.mode == "prefix" and decode_args(["--routing", "load"]).routing_policy.mode == "load"
     assert d.drain_to == () and decode_args(["--drain-to", "h:1", "--drain-to", "g:2"]).drain_to == ("h:1", "g:2")
     assert d.kv_offload_dir is p.kv_offload_dir is None and d.kv_offload_gib == 16.0 and d.prefix_fetch == "on"
+    # A hybrid model's sliding group: as many pages as --kv-pages, none beside the disk tier.
+    assert d.sliding_pages is p.sliding_pages is None and decode_args(["--kv-sliding-pages", "8"]).sliding_pages == 8
+    assert prefill_args(["--kv-offload-dir", "/tmp/tier"]).sliding_pages == 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -43,6 +46,8 @@ def test_defaults():
     (["--kv-offload-gib", "0"], "--kv-offload-gib"),
     (["--kv-offload-dir", __file__], "is not a directory"),
     (["--prefix-fetch", "maybe"], "invalid choice"),
+    (["--kv-sliding-pages", "-1"], "--kv-sliding-pages must be >= 0"),
+    (["--kv-sliding-pages", "8", "--kv-offload-dir", "/tmp/tier"], "--kv-sliding-pages 0"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -6,7 +6,7 @@ import threading
 import time
 
 from common.kv.page_allocator import PageAllocator
-from common.kv.segments import Segments
+from common.kv.segments import Placement, Segments
 from common.transports.connector import WriteWindow
 from common.transports.fences import WriteFences
 
@@ -14,7 +14,7 @@ from common.transports.fences import WriteFences
 def _setup(alive: bool = False) -> tuple[PageAllocator, WriteFences, WriteWindow]:
     allocator = PageAllocator(8)
     pages = tuple(allocator.allocate(3))
-    window = WriteWindow("r1", 7, Segments(((0, 12),)), pages, alive=lambda: alive)
+    window = WriteWindow("r1", 7, Placement(Segments(((0, 12),))), pages, alive=lambda: alive)
     return allocator, WriteFences(allocator, threading.RLock(), quarantine_seconds=30.0), window
 
 
@@ -67,7 +67,7 @@ def test_a_fence_the_receiver_lifts_never_expires():
 def test_lift_all_drops_every_fence():
     allocator, fences, window = _setup()
     fences.raise_fence(window, quarantine=True)
-    fences.raise_fence(WriteWindow("r2", 9, window.segments, window.pages[1:], lambda: False), quarantine=True)
+    fences.raise_fence(WriteWindow("r2", 9, window.placement, window.pages[1:], lambda: False), quarantine=True)
     allocator.decref(window.pages)
     fences.lift_all()
     assert allocator.num_free == 8

@@ -46,7 +46,7 @@ class _Initiator:
 
 
 def _session(initiator: _Initiator, pool: KVPool, done: list[int]) -> NixlTransfer:
-    return NixlTransfer(initiator, pool, _Peer("decode", base_address=1 << 20, num_slots=pool.num_slots), 5.0,
+    return NixlTransfer(initiator, pool, _Peer("decode", base_address=1 << 20, layout=pool.layout), 5.0,
                        done.append)
 
 

@@ -1,11 +1,14 @@
 """From pieces to what the transports move: whole pages (prepared NIXL blocks) and edges."""
 from __future__ import annotations
 
+import numpy as np
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.kv.segments import Segments
-from common.transports.pieces import Piece, page_blocks, plan_pages, plan_pieces
+from common.kv.pool import KVPool
+from common.transports.pieces import Piece, plan_pages, plan_pieces
 
 PAGE = 4
 
@@ -50,7 +53,29 @@ def test_offsets_that_disagree_go_whole_as_ranges():
 
 
 def test_page_blocks_number_pages_per_layer_and_kv():
-    blocks = page_blocks(base=1000, num_layers=2, num_slots=3 * PAGE, page_size=PAGE, slot_bytes=10)
-    assert blocks.shape == (2 * 2 * 3, 2) and (blocks[:, 1] == PAGE * 10).all()
+    layout = KVPool(num_layers=2, num_kv_heads=1, head_dim=5, num_pages=3, page_size=PAGE).layout
+    blocks = layout.page_blocks(base=1000)
+    assert blocks.shape == (2 * 2 * 3, 2) and (blocks[:, 1] == PAGE * 20).all()
     # block (layer 1, V, page 2) = (1 * 2 + 1) * 3 + 2
-    assert blocks[11, 0] == 1000 + ((1 * 2 + 1) * 3 * PAGE + 2 * PAGE) * 10
+    assert layout.block_index(1, 1, np.array([2]))[0] == 11
+    assert blocks[11, 0] == 1000 + ((1 * 2 + 1) * 3 * PAGE + 2 * PAGE) * 20
+
+
+def test_a_sliding_group_lies_after_the_full_group_in_the_layout():
+    """A hybrid model's sliding layers on pages of their own: their planes follow the full layers'
+    in the one registered region, each as many pages long as the sliding group has; a peer's
+    layout comes from its slot counts."""
+    pool = KVPool(num_layers=3, num_kv_heads=1, head_dim=5, num_pages=3, page_size=PAGE, sliding_layers=(1,),
+                  sliding_pages=2)
+    layout, sb = pool.layout, pool.slot_bytes()
+    assert layout.size_bytes == pool.storage.numel() * 4 == (2 * 3 + 2) * 2 * PAGE * sb
+    full_planes = 2 * 2 * 3 * PAGE
+    assert layout.offset(2, 1, 5) == ((1 * 2 + 1) * 3 * PAGE + 5) * sb  # layer 2 is the full group's second
+    assert layout.offset(1, 1, 5) == (full_planes + 2 * PAGE + 5) * sb
+    for layer in range(3):
+        for kv in (0, 1):
+            plane = pool.layer_kv(layer)[kv]
+            assert plane.data_ptr() - pool.storage.data_ptr() == layout.offset(layer, kv, 0)
+    assert layout.block_index(1, 0, np.array([1]))[0] == 12 + 1
+    peer = layout.with_slots(num_slots=5 * PAGE, sliding_slots=4 * PAGE)
+    assert peer.offset(1, 0, 0) == 2 * 2 * 5 * PAGE * sb and peer.size_bytes == (2 * 5 + 4) * 2 * PAGE * sb

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.engine.core import Engine
-from common.kv.segments import Segments
+from common.kv.segments import Placement, Segments
 from decode_node.request_table import ENDS, IllegalTransition, RequestTable, Reservation, Status
 
 S = Status
@@ -21,7 +21,7 @@ def _reserve(table: RequestTable, request_id: str) -> object:
     entry = table.add(request_id)
     seq = engine.new_sequence(request_id, list(range(100, 140)), use_prefix_cache=False)
     engine.reserve(seq, 39)
-    entry.reservation = Reservation(seq, 0, 39, Segments.of_slots(range(39)), nonce=7, deadline=0.0)
+    entry.reservation = Reservation(seq, 0, 39, Placement(Segments.of_slots(range(39))), nonce=7, deadline=0.0)
     table.move(entry, S.RESERVED)
     return entry
 

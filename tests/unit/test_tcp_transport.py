@@ -15,7 +15,7 @@ import torch
 from common.errors import ErrorCode
 from common.kv.page_allocator import PageAllocator
 from common.kv.pool import KVPool
-from common.kv.segments import Segments
+from common.kv.segments import Placement, Segments
 from common.transports import TransferError
 from common.transports.connector import WriteWindow
 from common.transports.fences import WriteFences
@@ -45,7 +45,7 @@ def _receiver(dst: KVPool, segments) -> tuple[TcpReceiver, PageAllocator]:
     allocator = PageAllocator(dst.num_pages)
     pages = allocator.allocate(dst.num_pages)
     receiver = TcpReceiver(dst, WriteFences(allocator, threading.RLock(), quarantine_seconds=60))
-    receiver.admit(WriteWindow("r", 7, Segments(tuple(segments)), tuple(pages), alive=lambda: True))
+    receiver.admit(WriteWindow("r", 7, Placement(Segments(tuple(segments))), tuple(pages), alive=lambda: True))
     return receiver, allocator
 
 

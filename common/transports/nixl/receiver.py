@@ -47,9 +47,9 @@ class NixlReceiver:
 
     def __init__(self, pool: KVPool, fences: WriteFences, name: str, transfers_pending: Callable[[], bool]) -> None:
         self.fences = fences
-        self._target = NixlTarget(name, pool.data)  # a CUDA pool is registered as VRAM
+        self._target = NixlTarget(name, pool.storage)  # a CUDA pool is registered as VRAM
         self._name = name
-        self._cuda_device = pool.data.device if pool.data.is_cuda else None
+        self._cuda_device = pool.device if pool.storage.is_cuda else None
         self._pending = transfers_pending
         ucx_tls = os.environ.get("UCX_TLS")
         self._busy_poll_s = BUSY_POLL_S if target_must_progress(ucx_tls) else IDLE_POLL_S

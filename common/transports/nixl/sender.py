@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from common.errors import ErrorCode
-from common.kv.pool import KVPool
+from common.kv.pool import KVPool, PoolLayout
 from common.transports import TransferError
 from common.transports.nixl.initiator import NixlInitiator, WriteHandle
-from common.transports.pieces import PagePlan, Piece, byte_offset, layer_byte_ranges, page_blocks, plan_pages
+from common.transports.pieces import PagePlan, Piece, layer_byte_ranges, plan_pages
 from common.transports.sender_thread import SenderThread
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -33,7 +33,7 @@ from protos.duet.v1 import duet_pb2 as pb
 class _Peer:
     agent_name: str
     base_address: int
-    num_slots: int
+    layout: PoolLayout  # where each (layer, K|V) plane lies in its registered region
 
 
 class NixlTransfer(SenderThread):
@@ -45,7 +45,7 @@ class NixlTransfer(SenderThread):
         self._handles: list[tuple[int, WriteHandle | None]] = []  # posted, not seen DONE; None ends a layer
         self._plans: dict[int, tuple[list[Piece], PagePlan]] = {}  # by id() of a posted piece list
         self.posting_cpu_s = 0.0  # CPU time the sender thread spent posting (the copy, with UCX sm)
-        self._device_set = not pool.data.is_cuda  # UCX's CUDA transports use the calling thread's device
+        self._device_set = not pool.storage.is_cuda  # UCX's CUDA transports use the calling thread's device
         super().__init__(pool, timeout_s, on_layer_done, name="nixl-post")
 
     def post_layer(self, layer: int, pieces: list[Piece]) -> None:
@@ -55,7 +55,7 @@ class NixlTransfer(SenderThread):
     def _take(self, item: tuple[int, list[Piece], torch.cuda.Event | None]) -> None:
         if not self._device_set:
             self._device_set = True
-            self._guarded(lambda: torch.cuda.set_device(self._pool.data.device))
+            self._guarded(lambda: torch.cuda.set_device(self._pool.device))
         if self._error is None:
             self._guarded(lambda: self._post(*item))
 
@@ -82,16 +82,16 @@ class NixlTransfer(SenderThread):
         if computed is not None:
             computed.synchronize()
         plan = self._plan(pieces)
+        ours = pool.layout
         if len(plan.src_pages):
-            local_pages, remote_pages = pool.num_pages, peer.num_slots // pool.page_size
-            local = np.concatenate([plan.src_pages + (2 * layer + kv) * local_pages for kv in (0, 1)])
-            remote = np.concatenate([plan.dst_pages + (2 * layer + kv) * remote_pages for kv in (0, 1)])
+            local = np.concatenate([ours.block_index(layer, kv, plan.src_pages) for kv in (0, 1)])
+            remote = np.concatenate([peer.layout.block_index(layer, kv, plan.dst_pages) for kv in (0, 1)])
             nbytes = len(local) * pool.page_size * sb
             self._handles.append((layer, self._initiator.write_blocks(peer.agent_name, local, remote, nbytes)))
         if plan.edges:
             local_ranges = layer_byte_ranges(pool, layer, [(p.src_slot, p.num_slots) for p in plan.edges])
-            remote_ranges = [(peer.base_address + byte_offset(peer.num_slots, sb, layer, kv, p.dst_slot),
-                              p.num_slots * sb) for kv in (0, 1) for p in plan.edges]
+            remote_ranges = [(peer.base_address + peer.layout.offset(layer, kv, p.dst_slot), p.num_slots * sb)
+                             for kv in (0, 1) for p in plan.edges]
             self._handles.append((layer, self._initiator.write(peer.agent_name, local_ranges, remote_ranges)))
         self._handles.append((layer, None))
         self.posting_cpu_s += time.thread_time() - started
@@ -133,10 +133,10 @@ class NixlTransfer(SenderThread):
 def _computed_event(pool: KVPool) -> torch.cuda.Event | None:
     """On a CUDA pool, an event that completes once the work queued so far (this layer's K/V
     writes) has run; None on the CPU, where the forward is synchronous."""
-    if not pool.data.is_cuda:
+    if not pool.storage.is_cuda:
         return None
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(pool.data.device))
+    event.record(torch.cuda.current_stream(pool.device))
     return event
 
 
@@ -146,16 +146,13 @@ class NixlSender:
 
     def __init__(self, pool: KVPool, name: str) -> None:
         self._pool = pool
-        self._initiator = NixlInitiator(name, pool.data)
-        self._initiator.prepare_local(self._page_blocks(pool.data.data_ptr(), pool.num_slots))
+        self._initiator = NixlInitiator(name, pool.storage)
+        self._initiator.prepare_local(pool.layout.page_blocks(pool.storage.data_ptr()))
         self._peers: dict[str, _Peer] = {}
 
-    def _page_blocks(self, base: int, num_slots: int) -> np.ndarray:
-        pool = self._pool
-        return page_blocks(base, pool.num_layers, num_slots, pool.page_size, pool.slot_bytes())
-
     def connect(self, peer: str, info: pb.TransportInfo) -> None:
-        expected = info.num_slots * 2 * self._pool.num_layers * self._pool.slot_bytes()
+        layout = self._pool.layout.with_slots(info.num_slots, info.sliding_slots)
+        expected = layout.size_bytes
         if info.pool_size_bytes != expected:
             raise TransferError(f"peer {peer} registered {info.pool_size_bytes} bytes, expected {expected}",
                                 ErrorCode.FAILED_PRECONDITION)
@@ -163,8 +160,8 @@ class NixlSender:
             raise TransferError(f"peer {peer} has {info.num_slots} slots, not whole "
                                 f"{self._pool.page_size}-slot pages", ErrorCode.FAILED_PRECONDITION)
         self._initiator.connect(info.nixl_agent_name, info.nixl_agent_metadata)
-        self._initiator.prepare_remote(info.nixl_agent_name, self._page_blocks(info.pool_base_address, info.num_slots))
-        self._peers[peer] = _Peer(info.nixl_agent_name, info.pool_base_address, info.num_slots)
+        self._initiator.prepare_remote(info.nixl_agent_name, layout.page_blocks(info.pool_base_address))
+        self._peers[peer] = _Peer(info.nixl_agent_name, info.pool_base_address, layout)
 
     def disconnect(self, peer: str) -> None:
         known = self._peers.pop(peer, None)

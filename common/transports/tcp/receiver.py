@@ -121,7 +121,7 @@ class TcpReceiver:
     def _receive_writes(self, conn: socket.socket, window: WriteWindow) -> None:
         """Receive frames until END. A host pool's staged frames are scattered on a helper thread
         (torch's copy runs without the GIL) while the next frame arrives; all are done on return."""
-        on_host = not self.pool.data.is_cuda
+        on_host = not self.pool.storage.is_cuda
         scatters = ThreadPoolExecutor(1, thread_name_prefix="tcp-kv-scatter") if on_host else None
         pending: Future | None = None
         buffers: list[torch.Tensor | None] = [None, None]
@@ -130,16 +130,16 @@ class TcpReceiver:
                 if not (wire.through_host(self.pool) or int(n.sum()) * self.pool.slot_bytes() < wire.STAGE_BELOW * len(n)):
                     sb, pairs = self.pool.slot_bytes(), list(zip(slot.tolist(), n.tolist()))
                     views = [view for kv in (0, 1)
-                             for view in wire.slot_views(wire.writable_bytes(self.pool.data[layer, kv]), sb, pairs)]
+                             for view in wire.slot_views(wire.writable_bytes(self.pool.layer_kv(layer)[kv]), sb, pairs)]
                     wire.recv_into_all(conn, views, window.alive)
                     continue
                 rows = torch.from_numpy(np.repeat(slot - np.cumsum(n) + n, n) + np.arange(int(n.sum())))
-                shape = (2, len(rows), *self.pool.data.shape[3:])
+                shape = (2, len(rows), *self.pool.layer_kv(layer).shape[2:])
                 if on_host:  # two buffers, reused: one is received into while the other is scattered
-                    buffers[0], buffers[1] = buffers[1], wire.at_least(buffers[0], self.pool.data, math.prod(shape))
+                    buffers[0], buffers[1] = buffers[1], wire.at_least(buffers[0], self.pool.storage, math.prod(shape))
                     staged = buffers[1][: math.prod(shape)].view(shape)
                 else:
-                    staged = wire.host_buffer(self.pool.data[layer, :, : len(rows)])
+                    staged = wire.host_buffer(self.pool.layer_kv(layer)[:, : len(rows)])
                 wire.recv_exact(conn, wire.writable_bytes(staged), window.alive)
                 if pending is not None:
                     pending.result()
@@ -157,8 +157,12 @@ class TcpReceiver:
         """Each wire.LAYER frame's layer and runs (first slots, lengths), checked against the window,
         until END; its payload must be read before the next one is asked for."""
         pool, alive = self.pool, window.alive
-        segments = np.array(sorted(window.segments), dtype=np.int64).reshape(-1, 2)
-        starts, ends = segments[:, 0], segments[:, 0] + segments[:, 1]
+        bounds = {}  # by granted Segments (one per layer group): run starts and ends, by start
+        for layer in range(pool.num_layers):
+            granted = window.granted(pool, layer)
+            if id(granted) not in bounds:
+                runs = np.array(sorted(granted), dtype=np.int64).reshape(-1, 2)
+                bounds[id(granted)] = runs[:, 0], runs[:, 0] + runs[:, 1]
         while True:
             (op,) = wire.recv_struct(conn, wire.OP, alive)
             if op == wire.OP_END:
@@ -166,22 +170,23 @@ class TcpReceiver:
             if op != wire.OP_LAYER:
                 raise ValueError(f"unknown frame type {op}")
             layer, num_runs = wire.recv_struct(conn, wire.LAYER, alive)
-            if not (layer < pool.num_layers and 0 < num_runs <= pool.num_slots):
+            if not (layer < pool.num_layers and 0 < num_runs <= pool.slots_of(layer)):
                 self._refuse(conn, f"a frame for layer {layer} with {num_runs} runs")
+            starts, ends = bounds[id(window.granted(pool, layer))]
             raw = bytearray(num_runs * wire.RUNS.itemsize)
             wire.recv_exact(conn, memoryview(raw), alive)
             runs = np.frombuffer(raw, dtype=wire.RUNS)
             slot, n = runs["slot"].astype(np.int64), runs["n"].astype(np.int64)
             seg = np.searchsorted(starts, slot, side="right") - 1
-            granted = (seg >= 0) & (n > 0) & (slot + n <= ends[np.maximum(seg, 0)])
-            if not granted.all():
-                bad = int(np.flatnonzero(~granted)[0])
+            inside = (seg >= 0) & (n > 0) & (slot + n <= ends[np.maximum(seg, 0)])
+            if not inside.all():
+                bad = int(np.flatnonzero(~inside)[0])
                 self._refuse(conn, f"layer {layer} slots [{slot[bad]}, {slot[bad] + n[bad]})")
             yield layer, slot, n
 
     def _scatter(self, layer: int, staged: torch.Tensor, rows: torch.Tensor) -> None:
         """A staged frame into its slots with one indexed copy."""
-        scatter_to_slots(self.pool.data[layer], staged.to(self.pool.data.device, non_blocking=True), rows)
+        scatter_to_slots(self.pool.layer_kv(layer), staged.to(self.pool.device, non_blocking=True), rows)
 
     @staticmethod
     def _refuse(conn: socket.socket, what: str) -> None:

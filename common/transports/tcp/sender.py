@@ -50,7 +50,7 @@ class TcpTransfer(SenderThread):
         else:
             src = [(p.src_slot, p.num_slots) for p in pieces]
             self._queue.put(header + [view for kv in (0, 1)
-                                      for view in wire.slot_views(wire.writable_bytes(pool.data[layer, kv]), sb, src)])
+                                      for view in wire.slot_views(wire.writable_bytes(pool.layer_kv(layer)[kv]), sb, src)])
         self._queue.put(layer)  # the sender reports the layer sent when it gets here
 
     def finish(self) -> None:

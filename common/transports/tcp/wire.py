@@ -118,7 +118,7 @@ def writable_bytes(t: torch.Tensor) -> memoryview:
 
 def through_host(pool: KVPool) -> bool:
     """Whether the pool's bytes are staged in host memory: a socket cannot reach GPU memory."""
-    return pool.data.is_cuda
+    return pool.storage.is_cuda
 
 
 def host_buffer(like: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
 def gather_rows(pool: KVPool, layer: int, pieces: list[Piece]) -> torch.Tensor:
     """`[2, rows, heads, head_dim]`: the layer's K and V at the pieces' source slots, in order."""
     slots = torch.cat([torch.arange(p.src_slot, p.src_slot + p.num_slots) for p in pieces])
-    return gather_from_slots(pool.data[layer], slots)
+    return gather_from_slots(pool.layer_kv(layer), slots)
 
 
 def at_least(buffer: torch.Tensor | None, like: torch.Tensor, numel: int) -> torch.Tensor:

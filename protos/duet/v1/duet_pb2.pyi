@@ -420,7 +420,7 @@ class WriterIdentity(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., process_start_ticks: _Optional[int] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
-    __slots__ = ("transport", "fingerprint", "num_slots", "tcp_address", "nixl_agent_name", "nixl_agent_metadata", "pool_base_address", "pool_size_bytes", "verify_kv")
+    __slots__ = ("transport", "fingerprint", "num_slots", "tcp_address", "nixl_agent_name", "nixl_agent_metadata", "pool_base_address", "pool_size_bytes", "verify_kv", "sliding_slots")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +430,7 @@ class TransportInfo(_message.Message):
     POOL_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POOL_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_KV_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     transport: str
     fingerprint: CompatibilityFingerprint
     num_slots: int
@@ -439,7 +440,8 @@ class TransportInfo(_message.Message):
     pool_base_address: int
     pool_size_bytes: int
     verify_kv: bool
-    def __init__(self, transport: _Optional[str] = ..., fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., tcp_address: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., pool_base_address: _Optional[int] = ..., pool_size_bytes: _Optional[int] = ..., verify_kv: _Optional[bool] = ...) -> None: ...
+    sliding_slots: int
+    def __init__(self, transport: _Optional[str] = ..., fingerprint: _Optional[_Union[CompatibilityFingerprint, _Mapping]] = ..., num_slots: _Optional[int] = ..., tcp_address: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., pool_base_address: _Optional[int] = ..., pool_size_bytes: _Optional[int] = ..., verify_kv: _Optional[bool] = ..., sliding_slots: _Optional[int] = ...) -> None: ...
 
 class RemoteSendRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "kv_window_begin", "kv_window_end", "kv_append_metadata", "decode_address", "transfer_nonce")
