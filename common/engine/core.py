@@ -88,7 +88,7 @@ class Engine:
         self.pool: KVPool = model.new_pool(num_pages, page_size, sliding_pages)
         self.lock = threading.RLock()
         self.room_made = threading.Condition(self.lock)
-        self.allocator = PageAllocator(num_pages, on_free=self.room_made.notify_all)
+        self.allocator = PageAllocator(num_pages, on_free=self._pages_freed)
         # The sliding group's pages, partnered with full pages (None: no sliding group).
         self.sliding = (SlidingPages(num_pages, sliding_pages, page_size, self.room_made.notify_all)
                         if sliding_pages else None)
@@ -97,6 +97,11 @@ class Engine:
         self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events, self.sliding_window, self.sliding)
         # Longrope: sequences longer than this compute with the long factors (None: no longrope).
         self.long_rope_from = model.config.long_rope_from
+
+    def _pages_freed(self, pages: list[int]) -> None:
+        if self.sliding is not None:
+            self.sliding.forget(pages)
+        self.room_made.notify_all()
 
     @property
     def page_size(self) -> int:
@@ -172,17 +177,23 @@ class Engine:
         """Hold the sliding partners of `seq`'s pages up to the one holding position `end - 1`,
         made where missing, for a forward or a transfer to write (a hybrid model's sliding
         group; nothing otherwise). Raises OutOfPages, holding nothing more, when the sliding
-        group has too few pages even after taking cold cached pages' sliding K/V."""
+        group has too few pages (`_hold_sliding`)."""
         if self.sliding is None:
             return
         first, to = max(seq.sliding_from, seq.sliding_to), -(-end // self.page_size)
         if to > first:
-            pages = [p for p in seq.pages[first:to] if p != RELEASED]
-            short = self.sliding.missing(pages) - self.sliding.allocator.num_free
-            if short > 0:
-                self.prefix_cache.evict_for_sliding(short)
-            self.sliding.hold(pages)
+            self._hold_sliding([p for p in seq.pages[first:to] if p != RELEASED])
             seq.sliding_to = to
+
+    def _hold_sliding(self, pages: list[int]) -> None:
+        """`SlidingPages.hold` of `pages`, partners made where missing, room made first where too
+        few sliding pages are free: parked K/V goes, then the sliding K/V of cold cached pages.
+        Raises OutOfPages, holding nothing, when that is not enough."""
+        if (short := self.sliding.missing(pages) - self.sliding.allocator.num_free) > 0:
+            self.sliding.unpark(short)
+        if (short := self.sliding.missing(pages) - self.sliding.allocator.num_free) > 0:
+            self.prefix_cache.evict_for_sliding(short)
+        self.sliding.hold(pages)
 
     def _first_needed(self, query: int) -> int:
         """The first position a hybrid model's sliding layers read for a query at `query` or later."""
@@ -206,13 +217,14 @@ class Engine:
 
     @locked
     def advance_window(self, seq: Sequence, first_kept: int) -> None:
-        """Drop the sliding partners of `seq`'s pages that lie wholly before position `first_kept`
-        (a hybrid model's sliding group; nothing otherwise)."""
+        """Park the sliding partners of `seq`'s pages that lie wholly before position `first_kept`
+        (a hybrid model's sliding group; nothing otherwise): their K/V stays until the group
+        needs the pages (common/kv/sliding_pages.py)."""
         if self.sliding is None:
             return
         first = first_kept // self.page_size
         if first > seq.sliding_from:
-            self.sliding.drop(p for p in seq.pages[seq.sliding_from : min(first, seq.sliding_to)] if p != RELEASED)
+            self.sliding.park(p for p in seq.pages[seq.sliding_from : min(first, seq.sliding_to)] if p != RELEASED)
             seq.sliding_from, seq.sliding_to = first, max(first, seq.sliding_to)
 
     @locked
@@ -240,7 +252,7 @@ class Engine:
         shared = parent.pages[:full]
         if self.sliding is not None:
             try:
-                self.sliding.hold(shared[parent.sliding_from:] + copy)
+                self._hold_sliding(shared[parent.sliding_from:] + copy)
             except OutOfPages:
                 self.allocator.decref(copy)
                 raise
@@ -373,17 +385,25 @@ class Engine:
         prefix cache so later requests can reuse them. Only the leading run of held pages can
         be recorded: a cached page stands for every token before it."""
         held = next((i for i, p in enumerate(seq.pages) if p == RELEASED), len(seq.pages))
-        if cache and seq.num_computed:  # pages past its window lack their sliding K/V: partial
-            partial_before = max(seq.partial_kv_before, seq.sliding_from * self.page_size)
+        if cache and seq.num_computed:
             self.prefix_cache.insert(seq.token_ids[: min(seq.num_computed, held * self.page_size)], seq.pages[:held],
-                                     partial_before, self.cache_salt(seq.long_rope))
+                                     self._partial_before(seq, held), self.cache_salt(seq.long_rope))
         if self.sliding is not None:
-            self.sliding.drop(p for p in seq.pages[seq.sliding_from : seq.sliding_to] if p != RELEASED)
+            self.sliding.park(p for p in seq.pages[seq.sliding_from : seq.sliding_to] if p != RELEASED)
         self.allocator.decref(seq.held_pages)
         if cache and seq.num_computed:
             self.room_made.notify_all()  # its pages may have turned evictable
         seq.pages = []
         seq.num_computed = seq.partial_kv_before = seq.sliding_from = seq.sliding_to = 0
+
+    def _partial_before(self, seq: Sequence, held: int) -> int:
+        """The end of the last of `seq`'s first `held` pages that lacks some layers' K/V: of those
+        past its window, the ones whose sliding K/V went (or never came)."""
+        lacking = seq.partial_kv_before
+        if self.sliding is not None:
+            gone = [i for i in range(min(seq.sliding_from, held)) if not self.sliding.has(seq.pages[i])]
+            lacking = max(lacking, (gone[-1] + 1) * self.page_size if gone else 0)
+        return lacking
 
     @locked
     def outgrow_short_rope(self, seq: Sequence) -> bool:

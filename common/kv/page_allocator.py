@@ -31,9 +31,10 @@ class OutOfPages(Exception):
 
 class PageAllocator:
     """Hands out page ids in `[0, num_pages)`; a page returns to the free extents when its
-    reference count drops to zero, and then `on_free()` runs (the engine wakes admission)."""
+    reference count drops to zero, and then `on_free(pages)` runs with the pages freed (the engine
+    wakes admission)."""
 
-    def __init__(self, num_pages: int, on_free: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, num_pages: int, on_free: Callable[[list[int]], None] = lambda pages: None) -> None:
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
@@ -98,7 +99,7 @@ class PageAllocator:
                 self._free_page(p)
                 freed.append(p)
         if freed:
-            self._on_free()
+            self._on_free(freed)
         return freed
 
     def _free_page(self, page: int) -> None:

@@ -12,11 +12,17 @@ holder's window go back.
 Partners are reference counted on an allocator of their own: `hold` takes one reference on the
 partner of each page (making one where the page has none: its sliding K/V is still to be
 written), `drop` gives one back; the partner goes when its last holder drops it, the full page
-stays as long as its own holders keep it. Not thread-safe: the engine's lock guards it, as it
-guards the full pages' allocator.
+stays as long as its own holders keep it.
+
+A sequence whose window moves past a page **parks** its reference instead (`park`): the K/V stays
+where it is, serving a later prompt that starts with the same tokens (a shared system prompt: the
+prefix cache records the page whole), until the group needs the page (`unpark`, least recently
+parked first) or the full page itself is freed (`forget`). Not thread-safe: the engine's lock
+guards it, as it guards the full pages' allocator.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import torch
@@ -29,9 +35,10 @@ NO_PARTNER = -1
 class SlidingPages:
     def __init__(self, num_full_pages: int, num_pages: int, page_size: int,
                  on_free: Callable[[], None] = lambda: None) -> None:
-        self.allocator = PageAllocator(num_pages, on_free)
+        self.allocator = PageAllocator(num_pages, lambda pages: on_free())
         self.page_size = page_size
         self._partner = torch.full((num_full_pages,), NO_PARTNER, dtype=torch.long)
+        self._parked: OrderedDict[int, None] = OrderedDict()  # full pages whose partner holds a parked reference
 
     @property
     def num_pages(self) -> int:
@@ -74,6 +81,33 @@ class SlidingPages:
         for p, s in zip(pages, partners):
             if s in freed:
                 self._partner[p] = NO_PARTNER
+
+    def park(self, pages: Iterable[int]) -> None:
+        """Turn one reference on the partner of each page into the parked one (a page has one
+        parked reference at most: another is dropped)."""
+        pages = list(pages)
+        self.drop(p for p in pages if p in self._parked)
+        self._parked.update((p, None) for p in pages if p not in self._parked)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def unpark(self, n: int) -> None:
+        """Drop parked references, least recently parked first, until `n` sliding pages more are
+        free or none is parked."""
+        goal = self.allocator.num_free + n
+        while self._parked and self.allocator.num_free < goal:
+            page, _ = self._parked.popitem(last=False)
+            self.drop([page])
+
+    def forget(self, freed: Iterable[int]) -> None:
+        """Full pages went back to their allocator: their parked references go (no other holder
+        of a partner is left once its page is free)."""
+        gone = [p for p in freed if p in self._parked]
+        for p in gone:
+            del self._parked[p]
+        self.drop(gone)
 
     def slots(self, full_slots: torch.Tensor) -> torch.Tensor:
         """The sliding slots of positions at `full_slots` (each on a page that has a partner)."""

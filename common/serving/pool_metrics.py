@@ -30,6 +30,9 @@ def register_pool_gauges(registry: CollectorRegistry, engine: Engine, compute_th
           "--kv-sliding-pages; 0 without one)", registry=registry).set(0 if sliding is None else sliding.num_pages)
     Gauge("duet_kv_sliding_pages_free", "Free pages of the sliding group", registry=registry).set_function(
         lambda: 0 if sliding is None else sliding.allocator.num_free)
+    Gauge("duet_kv_sliding_pages_parked", "Sliding pages kept only for K/V a window moved past, taken back "
+          "first when the group runs short", registry=registry).set_function(
+        lambda: 0 if sliding is None else read_locked(engine, lambda: sliding.num_parked))
     Gauge("duet_kv_pages_cached", "Pages held by the prefix cache", registry=registry).set_function(
         lambda: read_locked(engine, lambda: engine.prefix_cache.num_cached_pages))
     Gauge("duet_prefix_cache_blocks", "Full pages the prefix cache holds (what WatchKvEvents reports)",

@@ -105,10 +105,25 @@ def test_a_sliding_group_smaller_than_one_sequence_serves_it_as_transformers(hyb
     assert engine.allocator.num_free == 40 and engine.sliding.allocator.num_free == 6
 
 
+def test_a_prompt_sharing_a_finished_ones_head_reuses_it(hybrid):
+    """The sliding K/V a window moved past stays (parked) while the group has room, so a prompt
+    that shares a finished one's first 30 tokens (a system prompt) matches their whole pages."""
+    model, hf = hybrid
+    engine = Engine(model, num_pages=64, page_size=PAGE, sliding_pages=32)
+    head = tiny_prompt(45, 30)
+    _generate(engine, head + tiny_prompt(46, 10), 16)
+    assert engine.sliding.num_parked > 0
+    second = head + tiny_prompt(47, 10)
+    seq = engine.new_sequence("second", second)
+    assert seq.num_computed == 28  # the shared head's whole pages
+    engine.release(seq, cache=False)
+    assert _generate(engine, second, 8) == hf_greedy(hf, second, 8)
+
+
 def test_forked_samples_and_cold_cached_windows_share_the_sliding_group(hybrid):
     """Parallel samples fork a sequence (full pages shared, the last one copied with its sliding
-    partner); when the sliding group runs short, cached pages give up their sliding K/V (turning
-    partial, so no match reads it) before a request is refused."""
+    partner); when the sliding group runs short, parked K/V goes, then cached pages give up their
+    sliding K/V (turning partial, so no match reads it) before a request is refused."""
     model, hf = hybrid
     engine = Engine(model, num_pages=64, page_size=PAGE, sliding_pages=6)
     prompt = tiny_prompt(43, 22)
