@@ -60,6 +60,7 @@ class KVPool:
         # Each layer's view, made once: the forward asks for them every layer of every step.
         self._layer_kv = [(self.sliding_data if sliding else self.data)[i] for sliding, i in
                           (self._plane[layer] for layer in range(num_layers))]
+        self._layer_bytes: list[np.ndarray] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,6 +77,13 @@ class KVPool:
     def layer_kv(self, layer: int) -> torch.Tensor:
         """`[2 (K,V), slots of its group, num_kv_heads, head_dim]` view of one layer."""
         return self._layer_kv[layer]
+
+    def layer_bytes(self, layer: int) -> np.ndarray:
+        """A CPU pool's layer as bytes, `[2 (K,V), slots of its group, slot_bytes]` (numpy views,
+        made once: checksums read every layer of every transfer)."""
+        if self._layer_bytes is None:
+            self._layer_bytes = [kv.view(torch.uint8).reshape(2, kv.shape[1], -1).numpy() for kv in self._layer_kv]
+        return self._layer_bytes[layer]
 
     def keys(self, layer: int) -> torch.Tensor:
         """`[slots, num_kv_heads, head_dim]` view of one layer's K."""

@@ -41,8 +41,7 @@ def kv_checksums(pool: KVPool, layer_slots: Sequence[np.ndarray]) -> list[int]:
             runs_of[id(slots)] = Segments.of_slots(slots).runs
             if any(start < 0 or start + length > kv.shape[1] for start, length in runs_of[id(slots)]):
                 raise IndexError(f"slots outside layer {layer}'s {kv.shape[1]}")
-        per_slot = kv.view(torch.uint8).reshape(2, kv.shape[1], -1).numpy()
-        for row in per_slot:
+        for row in pool.layer_bytes(layer):
             h = xxhash.xxh3_64()
             for start, length in runs_of[id(slots)]:
                 h.update(row[start:start + length])
