@@ -75,8 +75,8 @@ class Reservations:
         try:
             begin = self.engine.receive_begin(seq, end) if receiving else seq.num_computed
             self.admission.require_fit(self.engine.pages_needed(seq, end), len(tokens))
-            try:
-                self.engine.reserve(seq, end)
+            try:  # a writer's window needs its sliding pages now; a local prefill, chunk by chunk
+                self.engine.reserve(seq, end, window=receiving)
             except OutOfPages as exc:  # of the sliding group: require_fit counted the full pages
                 raise NotAdmitted("pages", f"the KV pool's sliding group cannot hold this request's window now: "
                                            f"{exc} (--kv-sliding-pages)") from None

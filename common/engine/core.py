@@ -85,6 +85,9 @@ class Engine:
         windows = [w for w in model.config.layer_windows or () if w is not None]  # a hybrid model's
         self.sliding_window = max(windows, default=None)
         sliding_pages = 0 if self.sliding_window is None else num_pages if sliding_pages is None else sliding_pages
+        if 0 < sliding_pages < (window_pages := -(-self.sliding_window // page_size) + 1):
+            raise ValueError(f"--kv-sliding-pages {sliding_pages} cannot hold one request's sliding window of "
+                             f"{self.sliding_window} positions: give it {window_pages} pages at least, or 0")
         self.pool: KVPool = model.new_pool(num_pages, page_size, sliding_pages)
         self.lock = threading.RLock()
         self.room_made = threading.Condition(self.lock)

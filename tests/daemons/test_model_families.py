@@ -286,17 +286,18 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     assert engine_greedy(model, prompt, 12, page_size=4) == hf_greedy(hf, prompt, 12)
 
 
-@pytest.mark.parametrize(("name", "transport", "groups"), [("gpt_oss", "tcp", (None, "0")),
-                                                             ("gemma3_text", "nixl", ("6", "6"))])
-def test_hybrid_request_migrates_mid_stream(name, transport, groups, tmp_path):
+@pytest.mark.parametrize(("name", "transport", "groups", "admission"), [("gpt_oss", "tcp", (None, "0"), "reject"),
+                                                                          ("gemma3_text", "nixl", ("6", "6"), "queue")])
+def test_hybrid_request_migrates_mid_stream(name, transport, groups, admission, tmp_path):
     """Live migration of a hybrid model's request moves each sliding layer its window only (from a
     sliding group to none, between small ones: `groups`, the source's and the target's
     --kv-sliding-pages), and the stream goes on as transformers' greedy continuation; the partial
     KV the target received serves no later request whose window reaches it (the same prompt again
-    is still exact)."""
+    is still exact). Admitted by a queue, a prompt longer than a small group holds is prefilled
+    chunk by chunk (its pages reserved up front, their sliding pages a chunk at a time)."""
     hf = _save(name, tmp_path / "model")
     flags = (*FP32, "--model", str(tmp_path / "model"), "--transport", transport, "--threads", "1",
-             "--page-size", "4")
+             "--page-size", "4", "--admission", admission)
     prompt = _prompt(16)
     with Started(tmp_path) as s:
         a, b = (s.spawn("decode_node", *flags, *_sliding_flags(group)) for group in groups)

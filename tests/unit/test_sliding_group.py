@@ -105,6 +105,12 @@ def test_a_sliding_group_smaller_than_one_sequence_serves_it_as_transformers(hyb
     assert engine.allocator.num_free == 40 and engine.sliding.allocator.num_free == 6
 
 
+def test_a_sliding_group_smaller_than_a_window_is_refused(hybrid):
+    model, _ = hybrid
+    with pytest.raises(ValueError, match="--kv-sliding-pages 2 cannot hold one request's sliding window of 8"):
+        Engine(model, num_pages=40, page_size=PAGE, sliding_pages=2)
+
+
 def test_a_prompt_sharing_a_finished_ones_head_reuses_it(hybrid):
     """The sliding K/V a window moved past stays (parked) while the group has room, so a prompt
     that shares a finished one's first 30 tokens (a system prompt) matches their whole pages."""
