@@ -35,7 +35,10 @@ hand-off or migration moved for the full-attention layers only (a sliding layer 
 is recorded as partial. With the model's largest sliding `window`, a match ends only where every
 page the first computed position's window reaches is whole: a match that would read a partial
 page is cut back to the longest that does not (to none at worst). A whole page recorded later for
-the same tokens replaces a partial one. A partial tail is not recorded.
+the same tokens replaces a partial one. A partial tail is not recorded. Where the sliding layers
+have a group of their own (common/kv/sliding_pages.py), a page whose sliding K/V went is partial
+too; the cache holds the sliding partner of every whole page it records and, when the group runs
+short, gives up those of its least recently used pages (`evict_for_sliding`: they turn partial).
 
 A tier beyond the pool (common/engine/kv_offload.py) follows whole full pages through two hooks
 that run inside the cache's operation and must not block: `on_cached` is told of every one the
