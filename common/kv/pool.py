@@ -48,9 +48,7 @@ class KVPool:
         self.sliding_pages = sliding_pages if self.sliding_layers else 0
         self.sliding_slots = self.sliding_pages * page_size
         full_layers = [layer for layer in range(num_layers) if layer not in self.sliding_layers]
-        # layer -> (its group's tensor is the sliding one, its index there)
-        self._plane = {layer: (False, i) for i, layer in enumerate(full_layers)}
-        self._plane.update({layer: (True, i) for i, layer in enumerate(self.sliding_layers)})
+        self._sliding = frozenset(self.sliding_layers)
         shapes = [(len(full_layers), 2, self.num_slots, num_kv_heads, head_dim),
                   (len(self.sliding_layers), 2, self.sliding_slots, num_kv_heads, head_dim)]
         sizes = [torch.Size(s).numel() for s in shapes]
@@ -58,8 +56,9 @@ class KVPool:
         self.data = self.storage[: sizes[0]].view(shapes[0])
         self.sliding_data = self.storage[sizes[0]:].view(shapes[1])
         # Each layer's view, made once: the forward asks for them every layer of every step.
-        self._layer_kv = [(self.sliding_data if sliding else self.data)[i] for sliding, i in
-                          (self._plane[layer] for layer in range(num_layers))]
+        index = {layer: i for group in (full_layers, self.sliding_layers) for i, layer in enumerate(group)}
+        self._layer_kv = [(self.sliding_data if layer in self._sliding else self.data)[index[layer]]
+                          for layer in range(num_layers)]
         self._layer_bytes: list[np.ndarray] | None = None
 
     @property
@@ -72,7 +71,7 @@ class KVPool:
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` is in the sliding group (its slots are sliding slots)."""
-        return self._plane[layer][0]
+        return layer in self._sliding
 
     def layer_kv(self, layer: int) -> torch.Tensor:
         """`[2 (K,V), slots of its group, num_kv_heads, head_dim]` view of one layer."""

@@ -68,22 +68,19 @@ def layer_pieces(src: torch.Tensor, offset: int, skips: Sequence[int], sliding_l
                  sliding_slots: Callable[[torch.Tensor], torch.Tensor] | None,
                  dst: Sequence[np.ndarray]) -> list[list[Piece]]:
     """Per layer, the pieces moving the window's positions `[offset, offset + len(src))` that
-    the layer moves: `src` holds the sender's full slots of those positions (mapped by
-    `sliding_slots` for its sliding group's layers, as in `sender_layer_slots`), `dst` the
-    receiver's slots per layer (`receiver_layer_slots`)."""
+    the layer moves: `src` holds the sender's full slots of those positions (this side's slots per
+    layer: `sender_layer_slots` of the chunk), `dst` the receiver's slots per layer
+    (`receiver_layer_slots` of the whole window)."""
     stop = offset + len(src)
-    memo: dict[tuple[int, bool, int], list[Piece]] = {}
+    ours = sender_layer_slots(src, [min(len(src), max(0, skip - offset)) for skip in skips], sliding_layers,
+                              sliding_slots)
+    memo: dict[tuple[int, int], list[Piece]] = {}  # layers sharing both arrays share their pieces
     out = []
     for layer, skip in enumerate(skips):
-        sliding = sliding_slots is not None and layer in sliding_layers
-        key = (skip, sliding, id(dst[layer]))
+        key = (id(ours[layer]), id(dst[layer]))
         if key not in memo:
             first = max(offset, skip)
-            if first >= stop:
-                memo[key] = []
-            else:
-                part = src[first - offset:]
-                memo[key] = plan_pieces((sliding_slots(part) if sliding else part).numpy(),
-                                        Segments.of_slots(dst[layer][first - skip : stop - skip]))
+            memo[key] = [] if first >= stop else plan_pieces(ours[layer],
+                                                             Segments.of_slots(dst[layer][first - skip : stop - skip]))
         out.append(memo[key])
     return out
