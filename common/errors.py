@@ -30,6 +30,7 @@ class ErrorCode(enum.Enum):
 
 class RequestError(Exception):
     code = ErrorCode.UNKNOWN
+    retry_after: int | None = None  # whole seconds after which a retry may succeed (None: no hint)
 
     def __init__(self, message: str, code: ErrorCode | None = None) -> None:
         super().__init__(message)
@@ -50,7 +51,13 @@ class AlreadyExists(RequestError):
 
 
 class ResourceExhausted(RequestError):
+    """No room now."""
+
     code = ErrorCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class FailedPrecondition(RequestError):

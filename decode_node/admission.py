@@ -35,6 +35,7 @@ from common.errors import Aborted, Cancelled, DeadlineExceeded, ResourceExhauste
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import LiveRequest
+from common.serving.retry_hint import RetryHint
 
 T = TypeVar("T")
 
@@ -55,7 +56,9 @@ class Admission:
     tokens. Guarded by the engine lock, like the pages it hands out."""
 
     def __init__(self, config: DecodeNodeConfig, engine: Engine, running: Callable[[], int],
-                 admitted_tokens: Callable[[], int], metrics: DecodeMetrics) -> None:
+                 admitted_tokens: Callable[[], int], metrics: DecodeMetrics,
+                 retry_hint: RetryHint | None = None) -> None:
+        """`retry_hint`: how long admitted requests stay, which tells a refused request when to come back."""
         self.queueing = config.admission == "queue"
         self.lock = engine.lock
         self._config = config
@@ -63,23 +66,28 @@ class Admission:
         self._running = running
         self._admitted_tokens = admitted_tokens
         self._metrics = metrics
+        self._retry_hint = retry_hint or RetryHint()
         self._waiters: deque[LiveRequest] = deque()
 
     def _kept_pages(self) -> int:
         return int(self._config.admission_watermark * self._engine.allocator.num_pages)
 
-    def _refuse(self, reason: str, message: str) -> NoReturn:
+    def _refuse(self, reason: str, message: str, ahead: int = 1) -> NoReturn:
+        """Refuse with RESOURCE_EXHAUSTED and the seconds until `ahead` admitted requests will
+        have left; a request that can never run here gets no hint."""
         self._metrics.admission_refusals.labels(reason).inc()
-        raise ResourceExhausted(message)
+        hint = None if reason == "too_large" else self._retry_hint.seconds(ahead, self._running())
+        raise ResourceExhausted(message, retry_after=hint)
 
     @locked
     def check_room(self) -> None:
         """The hard cap, checked before anything else: `--max-requests` counts admitted
         requests plus those waiting for admission."""
         limit = self._config.max_requests
-        if self._running() + len(self._waiters) >= limit:
-            held = "running, queued or reserved" + (" or waiting for admission" if self.queueing else "")
-            self._refuse("max_requests", f"{limit} requests are already {held} here (--max-requests); retry later")
+        if (held := self._running() + len(self._waiters)) >= limit:
+            what = "running, queued or reserved" + (" or waiting for admission" if self.queueing else "")
+            self._refuse("max_requests", f"{limit} requests are already {what} here (--max-requests); retry later",
+                         ahead=held - limit + 1)
 
     @locked
     def require_fit(self, pages_needed: int, tokens: int) -> None:
@@ -133,9 +141,9 @@ class Admission:
                 if not self.queueing:
                     self._refuse(exc.reason, f"{exc}; retry later")
                 why = str(exc)
-        if len(self._waiters) >= self._config.max_queued_requests:
-            self._refuse("queue_full", f"{len(self._waiters)} requests already wait for admission here "
-                         "(--max-queued-requests); retry later")
+        if (waiting := len(self._waiters)) >= self._config.max_queued_requests:
+            self._refuse("queue_full", f"{waiting} requests already wait for admission here "
+                         "(--max-queued-requests); retry later", ahead=waiting - self._config.max_queued_requests + 1)
         return self._wait(entry, attempt, why, cancelled, deadline)
 
     def _wait(self, me: LiveRequest, attempt: Callable[[], T], why: str, cancelled: Callable[[], bool],

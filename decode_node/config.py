@@ -38,6 +38,7 @@ class DecodeNodeConfig(DaemonConfig):
     # (chunks fill --max-batch-tokens). common/engine/step_budget.py
     max_step_ms: float = 100.0
     openai_port: int | None = None  # serve the OpenAI-compatible HTTP API here (0 = any free port)
+    api_server_count: int | None = None  # processes serving it; None = by the CPUs (common/openai_http)
     served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
     api_key: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys the HTTP API requires; () = none
     tool_call_parser: str = "hermes"  # how the HTTP API reads tool calls out of tool_choice "auto" answers
@@ -60,6 +61,13 @@ class DecodeNodeConfig(DaemonConfig):
     def running_cap(self) -> int:
         """How many requests may be admitted at once."""
         return self.max_requests if self.max_running_requests is None else self.max_running_requests
+
+    @property
+    def grpc_workers(self) -> int:
+        """Every request held here (--max-requests) holds a gRPC thread while it streams; 64 more
+        serve the other calls and answer the requests past the cap with RESOURCE_EXHAUSTED at
+        once, rather than leave them waiting for a thread."""
+        return self.max_requests + 64
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,6 +100,8 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--openai-port must be in [0, 65535]")
         if self.api_key and self.openai_port is None:
             raise ValueError("--api-key guards the HTTP API: give --openai-port too")
+        if self.api_server_count is not None and not (type(self.api_server_count) is int and self.api_server_count >= 1):
+            raise ValueError(f"--api-server-count must be an integer >= 1, got {self.api_server_count!r}")
         bad = next((a for a in self.drain_to if a.rpartition(":")[0] == "" or not a.rpartition(":")[2].isdigit()), None)
         if bad is not None:
             raise ValueError(f"--drain-to {bad!r} must be HOST:PORT")

@@ -51,8 +51,11 @@ WAITING_STATUSES = (Status.QUEUED, *HOLDING_RESERVATION)  # what vllm:num_reques
 SUPERSEDE_WAIT_S = 5.0
 
 class DecodeNode:
-    def __init__(self, config: DecodeNodeConfig, model: DecoderModel, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: DecodeNodeConfig, model: DecoderModel, tokenizer: Tokenizer,
+                 on_draining: Callable[[], None] = lambda: None) -> None:
+        """`on_draining()` is called when the node starts refusing new requests (its readiness ends)."""
         self.config = config
+        self._on_draining = on_draining
         self.tokenizer = tokenizer
         self.engine = Engine(model, config.kv_pages, config.page_size, config.sliding_pages)
         self.tracer = Tracer(f"decode {config.advertise_address}", config.trace_requests)
@@ -71,7 +74,7 @@ class DecodeNode:
         self.admission = Admission(
             config, self.engine, running=self.requests.admitted,
             admitted_tokens=lambda: self.scheduler.total_tokens() + self.requests.reserved_tokens(),
-            metrics=self.metrics)
+            metrics=self.metrics, retry_hint=self.requests.retry_hint)
         self.prefill_pool = PrefillPool(list(config.prefill), timeout_s=config.lease_seconds, tls=config.tls,
                                         policy=config.routing_policy)
         name = f"decode-{config.host}-{config.port}-{uuid.uuid4().hex[:8]}"
@@ -153,6 +156,7 @@ class DecodeNode:
             raise FailedPrecondition("this decode node was started without --drain-to: name the decode nodes its "
                                      "running requests may move to")
         self.draining = True
+        self._on_draining()
         return Drain(self.config.drain_to, self.migrations, self.requests).run()
 
     def drain_before_stop(self) -> None:

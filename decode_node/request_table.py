@@ -31,6 +31,7 @@ the engine lock (common/engine/core.py `locked`), as the pages its entries hold 
 from __future__ import annotations
 
 import enum
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from common.engine.core import Engine, Sequence, locked
 from common.engine.generation import Group, RequestHandle
 from common.engine.sampling import SamplingParams
 from common.kv.segments import Placement
+from common.serving.retry_hint import RetryHint
 
 
 class Status(enum.Enum):
@@ -102,6 +104,7 @@ class LiveRequest:
     params: SamplingParams | None = None  # set once it runs: a migration hands them on
     handle: RequestHandle | None = None  # set once it runs: its instance in the scheduler
     abort_requested: bool = False  # an Abort came while it waited for admission
+    admitted_at: float = 0.0  # time.monotonic() when it left QUEUED
 
     def runs(self, group: Group) -> bool:
         """Whether the scheduler's instance `group` (a `RequestHandle.group`) is this request's."""
@@ -113,6 +116,7 @@ class RequestTable:
         self.engine = engine
         self.lock = engine.lock
         self._by_id: dict[str, LiveRequest] = {}
+        self.retry_hint = RetryHint()  # how long admitted requests stay: when a refused one may come back
 
     @locked
     def get(self, request_id: str) -> LiveRequest | None:
@@ -133,6 +137,10 @@ class RequestTable:
             raise IllegalTransition(f"request {entry.request_id!r}: {entry.status.name} -> {to.name}")
         if to in ENDS:
             del self._by_id[entry.request_id]
+            if entry.status is not S.QUEUED:
+                self.retry_hint.record(time.monotonic() - entry.admitted_at)
+        elif entry.status is S.QUEUED:
+            entry.admitted_at = time.monotonic()
             if entry.status in HOLDING_RESERVATION:
                 self.engine.release(entry.reservation.seq, cache=False)
         entry.status = to

@@ -18,7 +18,6 @@ from pathlib import Path
 from common.model.default_model import default_model_path
 from common.model.tokenizer import load_tokenizer
 from common.openai_http import add_openai_args, attach_openai_front
-from common.openai_http.gateway_routes import GatewayRoutes
 from common.peers.kv_index import KvIndex
 from common.peers.kv_watch import KvWatch
 from common.peers.membership import Membership
@@ -105,9 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     decode.on_health()
     if args.openai_port is not None:
         attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model,
-                            args.api_key, args.tool_call_parser,
-                            GatewayRoutes(ready=lambda: daemon.serving, registry=router.registry,
-                                          tokenizer=router.tokenizer))
+                            args.api_key, args.tool_call_parser, registry=router.registry,
+                            api_server_count=args.api_server_count, log_level=args.log_level)
     stop = threading.Event()
     if args.members is not None:
         threading.Thread(target=watch_members, args=(args.members, decode, prefill, stop, args.poll_seconds),

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from common.serving.grpc_status import answered_with_status
+from common.serving.grpc_status import answered_with_status, retry_hint, retry_metadata
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
 from router.router import Router
@@ -23,5 +23,7 @@ class RouterService(duet_pb2_grpc.DecodeNodeServicer):
                     if not context.is_active():
                         return
                     yield chunk
-        except grpc.RpcError as exc:  # a decode or prefill node's status, passed through
+        except grpc.RpcError as exc:  # a decode or prefill node's status and retry hint, passed through
+            if (seconds := retry_hint(exc)) is not None:
+                context.set_trailing_metadata(retry_metadata(seconds))
             context.abort(exc.code(), exc.details())

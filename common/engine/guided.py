@@ -18,17 +18,10 @@ import llguidance
 import numpy as np
 import torch
 
+from common.engine.json_grammar import json_schema_grammar
 from common.model.tokenizer import Tokenizer
 
 MAX_GRAMMAR_CHARS = 100_000
-# JSON with the whitespace models learned (newlines and indentation), bounded: wherever JSON
-# allows whitespace the grammar admits at most one line break followed by at most
-# MAX_JSON_INDENT spaces or tabs (llguidance matches `whitespace_pattern` at most once per place),
-# so a model can neither pad with blank lines nor with endless blanks. Without whitespace at all a
-# small model is pushed off what it learned and loops (`{"name":{"description":{...`).
-MAX_JSON_INDENT = 16
-JSON_WHITESPACE = rf"(\x0D?\x0A)?[\x20\x09]{{0,{MAX_JSON_INDENT}}}"
-_JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
 
 @dataclass(frozen=True)
@@ -125,16 +118,6 @@ class GrammarCompiler:
         if is_error:
             raise ValueError(f"guided.{kind} is not a usable grammar: {messages[0]}")
         return Grammar(source, self._lltokenizer, spec)
-
-
-def json_schema_grammar(schema: dict) -> str:
-    """The llguidance grammar of a JSON Schema, with the bounded whitespace above (a schema's own
-    top-level `x-guidance` settings take precedence); ValueError says why llguidance cannot use it."""
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(messages[0])
-    return grammar
 
 
 def _check_size(text: str, name: str) -> None:

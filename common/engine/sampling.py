@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.engine.sampling_limits import MAX_N, MAX_TOP_LOGPROBS
+
 if TYPE_CHECKING:
     from common.engine.guided import Grammar, GrammarMatcher
 
 MIN_TEMPERATURE = 1e-5
-MAX_N = 16  # parallel samples per request; each one decodes as a sequence of its own
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)

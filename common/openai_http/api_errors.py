@@ -1,9 +1,12 @@
-"""OpenAI-style error bodies and the HTTP status each gRPC status maps to."""
+"""OpenAI-style error bodies, the HTTP status each gRPC status maps to, and the `Retry-After`
+that every 429 and 503 carries."""
 from __future__ import annotations
 
 from http import HTTPStatus
 
 import grpc
+
+from common.serving.grpc_status import retry_hint
 
 # A gRPC status the node answered with -> the HTTP status an OpenAI client expects.
 HTTP_STATUS_OF = {
@@ -13,6 +16,11 @@ HTTP_STATUS_OF = {
     grpc.StatusCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: HTTPStatus.GATEWAY_TIMEOUT,
 }
+
+# Retry-After of a 429 or 503 that comes with no hint of the node's: busy (a full queue, too many
+# connections) and not ready (starting, draining, unreachable).
+BUSY_RETRY_SECONDS = 1
+NOT_READY_RETRY_SECONDS = 5
 
 # The `type` field OpenAI's own API uses for each class of failure.
 _ERROR_TYPE_OF = {
@@ -27,11 +35,13 @@ _ERROR_TYPE_OF = {
 class ApiError(Exception):
     """A failure answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
     @classmethod
     def invalid(cls, message: str, param: str | None = None) -> ApiError:
@@ -42,7 +52,16 @@ class ApiError(Exception):
         """The node's (or router's) status, with its message, as an HTTP error."""
         code = exc.code()
         status = HTTP_STATUS_OF.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
-        return cls(status, exc.details() or code.name, code=code.name.lower())
+        return cls(status, exc.details() or code.name, code=code.name.lower(), retry_after=retry_hint(exc))
+
+    def headers(self) -> dict[str, str]:
+        """`Retry-After` on a 429 (the node's hint, else BUSY_RETRY_SECONDS) and a 503 (else
+        NOT_READY_RETRY_SECONDS)."""
+        default = {HTTPStatus.TOO_MANY_REQUESTS: BUSY_RETRY_SECONDS,
+                   HTTPStatus.SERVICE_UNAVAILABLE: NOT_READY_RETRY_SECONDS}.get(self.status)
+        if default is None:
+            return {}
+        return {"Retry-After": str(self.retry_after if self.retry_after is not None else default)}
 
     def body(self) -> dict:
         kind = _ERROR_TYPE_OF.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")

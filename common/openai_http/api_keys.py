@@ -14,6 +14,12 @@ ENV_VAR = "DUET_API_KEY"
 _BEARER = "bearer "
 
 
+def configured_keys(flags: Iterable[str], environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The `--api-key` values plus `DUET_API_KEY` when it is set."""
+    env = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    return tuple(k for k in (*flags, env) if k)
+
+
 class ApiKeys:
     """The keys a request may present; none configured = every request is let in."""
 
@@ -22,9 +28,7 @@ class ApiKeys:
 
     @classmethod
     def from_flags(cls, flags: Iterable[str], environ: dict[str, str] | None = None) -> ApiKeys:
-        """The `--api-key` values plus `DUET_API_KEY` when it is set."""
-        env = (os.environ if environ is None else environ).get(ENV_VAR, "")
-        return cls([*flags, env])
+        return cls(configured_keys(flags, environ))
 
     @property
     def required(self) -> bool:

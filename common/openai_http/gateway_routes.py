@@ -1,9 +1,10 @@
 """What the Kubernetes inference gateway (the Gateway API Inference Extension and its endpoint
 picker, llm-d's router) asks of a model server's HTTP port beside the OpenAI API, in vLLM's shapes:
 
-- `GET /health`: 200 while the daemon serves, 503 while it starts or drains (readiness);
-- `GET /metrics`: the daemon's Prometheus registry, duet's metrics and the `vllm:*` gauges the
-  picker scrapes (common/serving/pool_metrics.py `register_gateway_gauges`);
+- `GET /health`: 200 while the daemon serves, 503 while it starts or drains (readiness), and
+  `GET /metrics`: the daemon's Prometheus registry, duet's metrics and the `vllm:*` gauges the
+  picker scrapes (common/serving/pool_metrics.py `register_gateway_gauges`), both answered by
+  the server (common/openai_http/server.py) from the daemon itself;
 - `POST /tokenize` (`prompt`, or chat `messages`) -> `{"count", "max_model_len", "tokens", "token_strs"}`,
   `POST /detokenize` (`tokens`) -> `{"prompt"}`;
 - `POST /v1/completions/render` -> `[{"token_ids": [...]}]` and `POST /v1/chat/completions/render`
@@ -12,13 +13,9 @@ picker, llm-d's router) asks of a model server's HTTP port beside the OpenAI API
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.errors import RequestError
 from common.model.tokenizer import Tokenizer
@@ -26,7 +23,6 @@ from common.openai_http.api_errors import ApiError
 from common.openai_http.request_mapping import Endpoint, map_request
 from common.serving.prompts import prompt_token_ids
 
-GET_PATHS = ("/health", "/metrics")
 # The picker names the prefill node of a disaggregated request in this header; the front passes it
 # on to Generate as gRPC metadata, and a decode node that has that node among its --prefill nodes
 # hands the prompt to it first.
@@ -38,29 +34,16 @@ POST_PATHS = ("/tokenize", "/detokenize", "/v1/completions/render", "/v1/chat/co
 @dataclass(frozen=True)
 class Reply:
     status: HTTPStatus
-    body: Any  # JSON, or bytes sent as they are
-    content_type: str = "application/json"
+    body: Any  # JSON
 
 
 @dataclass(frozen=True)
 class GatewayRoutes:
-    """`ready()`: whether the daemon serves requests now; `registry`: its metrics (None: no
-    /metrics here); `tokenizer`: how it reads prompts (None: no tokenize or render here);
+    """`tokenizer`: how the daemon reads prompts (None: no tokenize or render here);
     `max_model_len`: the longest context it serves, reported by /tokenize (None: unknown)."""
 
-    ready: Callable[[], bool]
-    registry: CollectorRegistry | None = None
     tokenizer: Tokenizer | None = None
     max_model_len: int | None = None
-
-    def get(self, path: str) -> Reply:
-        if path == "/health":
-            ok = self.ready()
-            return Reply(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
-                         {"status": "serving" if ok else "not serving"})
-        if self.registry is None:
-            raise ApiError(HTTPStatus.NOT_FOUND, "this daemon serves its metrics on --metrics-port")
-        return Reply(HTTPStatus.OK, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
     def post(self, path: str, body: Any, model_names: tuple[str, ...]) -> Reply:
         if self.tokenizer is None:

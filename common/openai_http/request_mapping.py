@@ -14,7 +14,7 @@ from enum import Enum
 from http import HTTPStatus
 from typing import Any
 
-from common.engine.sampling import MAX_N, MAX_TOP_LOGPROBS
+from common.engine.sampling_limits import MAX_N, MAX_TOP_LOGPROBS
 from common.openai_http.api_errors import ApiError
 from common.openai_http.chat_messages import chat_messages
 from common.openai_http.tools import ToolPlan, tool_plan

@@ -63,6 +63,8 @@ class ResponseShaper:
         self.choices = Choices(request.n)
         self.tool_answers = [ToolAnswer(request.tools, tool_call_parser)
                                                  for _ in range(request.n)] if request.tools else None
+        self._logprob_shapers = [CompletionLogprobs() for _ in range(request.n)]  # streamed completions' offsets
+        self._echoed = False
 
     @property
     def echo_text(self) -> str:
@@ -104,32 +106,38 @@ class ResponseShaper:
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return choice
 
-    def stream(self, chunks: Iterable[pb.GenerationChunk]) -> Iterator[dict]:
-        """The server-sent events' payloads (the caller adds the `[DONE]` terminator)."""
-        if self.chat:  # OpenAI opens each choice with the assistant role
+    def opening(self) -> Iterator[dict]:
+        """The server-sent events before any chunk: OpenAI opens each chat choice with the
+        assistant role."""
+        if self.chat:
             for i in range(self.request.n):
                 yield self._stream_chunk(i, {"delta": {"role": "assistant", "content": ""}}, None)
-        shapers = [CompletionLogprobs() for _ in range(self.request.n)]
-        for position, chunk in enumerate(chunks):
-            self.choices.add(chunk)
-            if self.request.echo and position == 0:  # each choice opens with the prompt
-                for i in range(self.request.n):
-                    echoed = {"text": self.echo_text}
-                    if self.request.logprobs:
-                        echoed["logprobs"] = shapers[i].shape(self.choices.prompt_logprobs)
-                    yield self._stream_chunk(i, echoed, None)
-            if self.tool_answers is not None:
-                yield from self._tool_events(chunk)
-            elif chunk.text or chunk.finish_reason or chunk.logprobs:
-                if self.chat:
-                    choice = {"delta": {"content": chunk.text} if chunk.text else {}}
-                    if self.request.logprobs:
-                        choice["logprobs"] = chat_logprobs(chunk.logprobs)
-                else:
-                    choice = {"text": chunk.text}
-                    if self.request.logprobs:
-                        choice["logprobs"] = shapers[chunk.index].shape(chunk.logprobs)
-                yield self._stream_chunk(chunk.index, choice, chunk.finish_reason or None)
+
+    def events(self, chunk: pb.GenerationChunk) -> Iterator[dict]:
+        """The server-sent events' payloads of one chunk, in order."""
+        self.choices.add(chunk)
+        if self.request.echo and not self._echoed:  # each choice opens with the prompt
+            self._echoed = True
+            for i in range(self.request.n):
+                echoed = {"text": self.echo_text}
+                if self.request.logprobs:
+                    echoed["logprobs"] = self._logprob_shapers[i].shape(self.choices.prompt_logprobs)
+                yield self._stream_chunk(i, echoed, None)
+        if self.tool_answers is not None:
+            yield from self._tool_events(chunk)
+        elif chunk.text or chunk.finish_reason or chunk.logprobs:
+            if self.chat:
+                choice = {"delta": {"content": chunk.text} if chunk.text else {}}
+                if self.request.logprobs:
+                    choice["logprobs"] = chat_logprobs(chunk.logprobs)
+            else:
+                choice = {"text": chunk.text}
+                if self.request.logprobs:
+                    choice["logprobs"] = self._logprob_shapers[chunk.index].shape(chunk.logprobs)
+            yield self._stream_chunk(chunk.index, choice, chunk.finish_reason or None)
+
+    def closing(self) -> Iterator[dict]:
+        """The last event, with usage when the request asked for it (the caller adds `[DONE]`)."""
         if self.request.include_usage:
             body = self._envelope(self._stream_object, [])
             body["usage"] = self.choices.usage()

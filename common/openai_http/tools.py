@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from common.engine.guided import json_schema_grammar
+from common.engine.json_grammar import json_schema_grammar
 from common.openai_http.api_errors import ApiError, refuse_unknown_keys
 from protos.duet.v1 import duet_pb2 as pb
 

@@ -48,13 +48,19 @@ class Front(Protocol):
 
     def start(self) -> None: ...
 
-    def stop(self) -> None: ...
+    def stop(self) -> None:
+        """Stop accepting requests (without waiting)."""
+
+    def join(self, timeout: float) -> None:
+        """Wait for its requests to end, after the gRPC server stopped."""
 
 
 class GrpcDaemon:
     """A gRPC server plus health/reflection/metrics, run until a termination signal."""
 
     def __init__(self, host: str, port: int, tls: TlsFiles = TlsFiles(), max_workers: int = 64) -> None:
+        """`max_workers`: the threads that serve calls; a streamed call holds one to its end, and
+        calls beyond them wait unanswered, so a node sizes them past the requests it admits."""
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
         self.address = f"{host}:{port}"
         self.health = health.HealthServicer()
@@ -140,6 +146,8 @@ class GrpcDaemon:
         for callback in self._before_stop:
             callback()
         self.server.stop(grace_seconds).wait()
+        for front in self._fronts:
+            front.join(grace_seconds)
         if on_shutdown is not None:
             on_shutdown()
         log.info("stopped", extra={"fields": {"drain_seconds": round(time.monotonic() - started, 3)}})
@@ -157,7 +165,7 @@ def run_node(config, service_name: str, start: Callable[[GrpcDaemon, object], ob
     torch.set_grad_enabled(False)
     placement.apply(config.cpus, config.threads, config.nice)
     heap.keep_freed_buffers()
-    daemon = GrpcDaemon(config.host, config.port, config.tls)
+    daemon = GrpcDaemon(config.host, config.port, config.tls, config.grpc_workers)
     try:
         node = placement.in_passing_thread(start, daemon, config)
     except ValueError as exc:  # a setting the node cannot start with (a taken or malformed endpoint, ...)

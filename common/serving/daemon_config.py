@@ -79,6 +79,11 @@ class DaemonConfig:
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
+    def grpc_workers(self) -> int:
+        """Threads of the gRPC server (common/serving/daemon.py `GrpcDaemon`)."""
+        return 64
+
+    @property
     def resolved_dtype(self) -> str:
         """What `--dtype` means on this machine: `auto` resolved."""
         return resolve_dtype(self.device, self.dtype)

@@ -102,6 +102,9 @@ class KvEventPublisher:
             self._replay.close()
         self._context.term()
 
+    def join(self, timeout: float) -> None:
+        """`stop` has closed everything already."""
+
     def _run(self) -> None:
         cursor = self._resync()
         while not self._stop.is_set():

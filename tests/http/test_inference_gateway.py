@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from http import HTTPStatus
 import signal
 import time
 import urllib.error
@@ -24,8 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.kv.block_hashes import block_hashes
 from common.model.checkpoint import load_checkpoint
 from common.openai_http import served_model_name
-from common.openai_http.api_errors import ApiError
-from common.openai_http.gateway_routes import GatewayRoutes
 from common.serving.kv_events_zmq import END_OF_REPLAY
 from protos.duet.v1 import duet_pb2 as pb
 from protos.duet.v1 import duet_pb2_grpc
@@ -281,16 +278,3 @@ def _wait_health_known(d) -> None:
     while _health(d.channel) == health_pb2.HealthCheckResponse.UNKNOWN:
         assert d.proc.poll() is None and time.monotonic() < deadline, d.log_path.read_text()
         time.sleep(0.05)
-
-
-
-def test_health_says_503_while_the_daemon_does_not_serve() -> None:
-    """The routes alone: a daemon that is starting or draining (`ready()` false) answers 503; a
-    daemon without a registry or a tokenizer (none here) answers 404, not a crash."""
-    routes = GatewayRoutes(ready=lambda: False)
-    assert routes.get("/health").status == HTTPStatus.SERVICE_UNAVAILABLE
-    assert GatewayRoutes(ready=lambda: True).get("/health").status == HTTPStatus.OK
-    for call in (lambda: routes.get("/metrics"), lambda: routes.post("/tokenize", {"prompt": "x"}, ("m",))):
-        with pytest.raises(ApiError) as info:
-            call()
-        assert info.value.status == HTTPStatus.NOT_FOUND

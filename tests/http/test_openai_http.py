@@ -2,21 +2,25 @@
 router, driven by the real `openai` client package and by raw HTTP."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
 import ssl
-import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent import futures
 
+import aiohttp
+import grpc
 import openai
 import pytest
 
 from common.openai_http.api_errors import ApiError
 from common.openai_http.request_mapping import CHAT_DEFAULT_MAX_TOKENS, Endpoint, map_request
-from common.openai_http.server import OpenAIFront, _cancel_when_client_leaves
+from common.openai_http.api_processes import OpenAIFront
+from common.openai_http.api_server import ApiServerSettings
 from protos.duet.v1 import duet_pb2 as pb
 from harness.local_daemons import free_port, router
 from harness.daemon_fixtures import part_of
@@ -27,25 +31,30 @@ from harness.openai_front import DAEMON_FLAGS, MESSAGES, Front
 PROMPT = "In the quiet village at the edge of the forest, the old clockmaker spent his evenings"
 FRESH_PROMPT = "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz"
 MAX_TOKENS = 10
+SMALL_MAX_REQUESTS = 4
 
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory, certs):  # noqa: F811
-    """`pair` and `tls_node`, started side by side."""
+    """`pair`, `tls_node` and `small_node`, started side by side."""
     tmp = tmp_path_factory.mktemp("openai_http")
-    port, tls_port = free_port(), free_port()
+    port, tls_port, small_port = free_port(), free_port(), free_port()
     with Started(tmp) as s:
         pn = s.spawn("prefill_node", *DAEMON_FLAGS)
         dn = s.spawn("decode_node", *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
                      "--openai-port", str(port))
         tls_dn = s.spawn("decode_node", *DAEMON_FLAGS, "--openai-port", str(tls_port), tls=certs["node"])
+        small = s.spawn("decode_node", *DAEMON_FLAGS, "--openai-port", str(small_port), "--max-requests",
+                        str(SMALL_MAX_REQUESTS), "--api-server-count", "2")
         s.wait()
-        yield (dn, pn, Front(port)), (tls_dn, tls_port)
+        yield (dn, pn, Front(port)), (tls_dn, tls_port), (small, Front(small_port))
 
 
 pair = part_of("daemons", 0, "A prefill node and a decode node handing prompts to it, the decode node serving HTTP.")
 tls_node = part_of("daemons", 1, "A decode node serving gRPC and HTTPS with the node certificate of `certs`, and its "
                    "HTTP port.")
+small_node = part_of("daemons", 2, f"A decode node holding at most {SMALL_MAX_REQUESTS} requests, its HTTP port served "
+                     "by two API servers.")
 
 
 def grpc_generate(stub, request: pb.GenerateRequest) -> tuple[str, pb.Usage]:
@@ -226,28 +235,6 @@ def test_client_disconnect_cancels_the_request(pair, model_name):
     assert load.kv_pages_free + load.kv_pages_cached == load.kv_pages_total  # no page is held any more
 
 
-def test_a_client_that_leaves_before_any_output_cancels_its_call():
-    """While a request yields nothing to write (waiting for admission on the node), the front
-    still notices the client hanging up and cancels the gRPC call (here a stand-in for it)."""
-    ours, theirs = socket.socketpair()
-    cancelled, answered = threading.Event(), threading.Event()
-
-    class Call:
-        def cancel(self) -> None:
-            cancelled.set()
-
-    watcher = threading.Thread(target=_cancel_when_client_leaves, args=(ours, Call(), answered))
-    watcher.start()
-    try:
-        assert not cancelled.wait(1.2), "cancelled while the client was still there"
-        theirs.close()
-        assert cancelled.wait(5), "the client's hang-up was not noticed"
-    finally:
-        answered.set()
-        watcher.join(5)
-        ours.close()
-
-
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:
@@ -259,25 +246,40 @@ def _ipv6_loopback() -> bool:
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 @pytest.mark.parametrize("host", ["::1", "[::1]", "::"])
-def test_the_front_listens_on_ipv6_hosts(host):
-    front = OpenAIFront(host, 0, "m", stub=None)  # /v1/models needs no node
+def test_the_front_listens_on_ipv6_hosts(host, tmp_path):
+    """The daemon's side binds the port; its API server answers /v1/models (which needs no node)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    settings = ApiServerSettings(listen_fd=-1, grpc_target="", model_names=("m",), api_keys=(),
+                                 tool_call_parser="hermes", tokenizer_path=None, max_model_len=None, metrics_url=None,
+                                 created=0)
+    front = OpenAIFront(host, 0, 1, settings, server, registry=None)
+    server.start()
     front.start()
     try:
-        models = json.load(urllib.request.urlopen(f"http://[::1]:{front.port}/v1/models", timeout=10))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                models = json.load(urllib.request.urlopen(f"http://[::1]:{front.port}/v1/models", timeout=10))
+                break
+            except urllib.error.URLError:  # the API server is still starting (the port is bound, not yet served)
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
         assert [m["id"] for m in models["data"]] == ["m"]
     finally:
         front.stop()
+        server.stop(0)
+        front.join(10)
 
 
-def test_chunked_request_bodies_are_refused_and_the_connection_closed(pair):
+def test_chunked_request_bodies_are_read(pair, model_name):
     _, _, front = pair
     conn = http.client.HTTPConnection(front.url.removeprefix("http://"), timeout=30)
+    body = json.dumps({"model": model_name, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
     try:
-        conn.request("POST", "/v1/completions", body=iter([b'{"prompt": "x"}']),
+        conn.request("POST", "/v1/completions", body=iter([body[:10], body[10:]]),
                      headers={"Content-Type": "application/json"}, encode_chunked=True)
         response = conn.getresponse()
-        assert response.status == 411 and "Content-Length" in json.loads(response.read())["error"]["message"]
-        assert response.getheader("Connection") == "close"
+        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 2
     finally:
         conn.close()
 
@@ -338,3 +340,39 @@ def test_parallel_samples_are_separate_choices(pair, model_name):
         for choice in event.choices:
             texts[choice.index] += choice.text
     assert texts == [one.choices[0].text] * 2
+
+
+def test_a_burst_gets_answers_or_429s_never_resets(small_node, model_name):
+    """Eight times more streamed requests at once than the node holds: every one is answered,
+    served with the tokens it gets alone or refused 429 with Retry-After and an OpenAI error
+    body; no connection is reset, no page is left held, and the node serves right after."""
+    dn, front = small_node
+    body = {"model": model_name, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    url = f"{front.url}/v1/chat/completions"
+
+    async def one(session: aiohttp.ClientSession) -> tuple[int, str | None, str]:
+        async with session.post(url, json=body) as response:
+            return response.status, response.headers.get("Retry-After"), (await response.read()).decode()
+
+    async def burst(n: int) -> list[tuple[int, str | None, str]]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            return await asyncio.gather(*(one(session) for _ in range(n)))
+
+    def text(raw: str) -> str:
+        events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+    alone = asyncio.run(burst(1))[0]
+    assert alone[0] == 200 and alone[2].endswith("data: [DONE]\n\n")
+    answers = asyncio.run(burst(8 * SMALL_MAX_REQUESTS))  # a reset would raise here
+    served = [a for a in answers if a[0] == 200]
+    refused = [a for a in answers if a[0] != 200]
+    assert len(served) >= SMALL_MAX_REQUESTS and refused
+    assert all(text(raw) == text(alone[2]) for _, _, raw in served)
+    for status, retry_after, raw in refused:
+        assert status == 429 and retry_after is not None and retry_after.isdigit() and int(retry_after) >= 1
+        assert json.loads(raw)["error"]["type"] == "rate_limit_error"
+    assert asyncio.run(burst(1))[0][0] == 200
+    load = dn.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert load.kv_pages_free + load.kv_pages_cached == load.kv_pages_total

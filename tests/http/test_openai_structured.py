@@ -13,7 +13,8 @@ import torch
 
 from common.openai_http.logprob_shaping import token_text
 from protos.duet.v1 import duet_pb2 as pb
-from common.engine.guided import MAX_JSON_INDENT, GrammarCompiler, GuidedSpec
+from common.engine.guided import GrammarCompiler, GuidedSpec
+from common.engine.json_grammar import MAX_JSON_INDENT
 from scripts.json_object_share import MAX_TOKENS, json_object_answers
 from harness.local_daemons import free_port
 from harness.helpers import started_pair

@@ -1,0 +1,24 @@
+"""The llguidance grammar of a JSON Schema, as guided decoding compiles it and the HTTP front
+checks a strict tool's parameters with it (without the sampler, and torch)."""
+from __future__ import annotations
+
+import llguidance
+
+# JSON with the whitespace models learned (newlines and indentation), bounded: wherever JSON
+# allows whitespace the grammar admits at most one line break followed by at most
+# MAX_JSON_INDENT spaces or tabs (llguidance matches `whitespace_pattern` at most once per place),
+# so a model can neither pad with blank lines nor with endless blanks. Without whitespace at all a
+# small model is pushed off what it learned and loops (`{"name":{"description":{...`).
+MAX_JSON_INDENT = 16
+JSON_WHITESPACE = rf"(\x0D?\x0A)?[\x20\x09]{{0,{MAX_JSON_INDENT}}}"
+_JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+
+
+def json_schema_grammar(schema: dict) -> str:
+    """The llguidance grammar of a JSON Schema, with the bounded whitespace above (a schema's own
+    top-level `x-guidance` settings take precedence); ValueError says why llguidance cannot use it."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(messages[0])
+    return grammar
