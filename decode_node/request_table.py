@@ -137,12 +137,12 @@ class RequestTable:
             raise IllegalTransition(f"request {entry.request_id!r}: {entry.status.name} -> {to.name}")
         if to in ENDS:
             del self._by_id[entry.request_id]
+            if entry.status in HOLDING_RESERVATION:
+                self.engine.release(entry.reservation.seq, cache=False)
             if entry.status is not S.QUEUED:
                 self.retry_hint.record(time.monotonic() - entry.admitted_at)
         elif entry.status is S.QUEUED:
             entry.admitted_at = time.monotonic()
-            if entry.status in HOLDING_RESERVATION:
-                self.engine.release(entry.reservation.seq, cache=False)
         entry.status = to
 
     @locked

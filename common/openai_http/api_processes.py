@@ -85,16 +85,18 @@ class OpenAIFront:
             "https": self.settings.tls_cert is not None, "api_key_required": bool(self.settings.api_keys)}})
 
     def stop(self) -> None:
-        """Stop accepting requests: each API server stops listening and lets its in-flight calls
-        finish with the gRPC drain (`join` waits for them)."""
+        """The daemon begins to drain: the API servers go on answering while it does, so a
+        request that comes now gets 503 with Retry-After (the daemon refuses it, its health says
+        NOT_SERVING) rather than a refused connection; `join` ends them."""
+        self._stopping.set()
+
+    def join(self, timeout: float = 10.0) -> None:
+        """Once the daemon's gRPC server stopped: each API server stops listening, lets what is
+        still in flight end and exits (killed past `timeout`); then close what the front holds."""
         self._stopping.set()
         for process in self._processes:
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-
-    def join(self, timeout: float = 10.0) -> None:
-        """Wait for the API servers to exit (killed past `timeout`), then close what the front holds."""
-        self.stop()
         deadline = time.monotonic() + timeout
         for process in self._processes:
             if process is None:

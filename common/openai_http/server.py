@@ -242,11 +242,14 @@ class Front:
 
 
 async def _chunks(call) -> AsyncIterator[pb.GenerationChunk]:
-    """The call's chunks; its failure as an ApiError."""
+    """The call's chunks; its failure as an ApiError (the daemon's socket gone: a 503 saying so)."""
     try:
         async for chunk in call:
             yield chunk
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith("failed to connect"):
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, "the daemon is not serving requests now (it is shutting "
+                           "down or restarting); retry later or at another node", code="unavailable") from None
         raise ApiError.from_rpc(exc) from None
 
 

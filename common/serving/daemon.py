@@ -49,10 +49,10 @@ class Front(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> None:
-        """Stop accepting requests (without waiting)."""
+        """Shutdown began (without waiting)."""
 
     def join(self, timeout: float) -> None:
-        """Wait for its requests to end, after the gRPC server stopped."""
+        """The gRPC server stopped: end, within `timeout`."""
 
 
 class GrpcDaemon:

@@ -193,6 +193,9 @@ def test_a_waiting_prepare_receive_is_admitted_when_pages_free_up(queued):
         assert time.monotonic() - started < 1
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-queued-requests" in info.value.details()
+        hint = dict(info.value.trailing_metadata())  # when to come back, in seconds and as gRPC's pushback
+        assert 1 <= int(hint["retry-after"]) <= 60 and int(hint["grpc-retry-pushback-ms"]) == 1000 * int(
+            hint["retry-after"])
         assert labelled(queued, "duet_admission_refusals_total", reason="queue_full") == 1
         assert not waiting.done()
         queued.stub.Abort(pb.AbortRequest(request_id="hold"))
@@ -232,6 +235,7 @@ def test_a_request_that_can_never_fit_is_refused_at_once(queued):
                                    timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - started < 1
     assert "at most 15" in info.value.details() and "--kv-pages" in info.value.details()
+    assert "retry-after" not in dict(info.value.trailing_metadata())  # it can never fit: no hint to come back
     assert pool_whole(queued)
 
 
