@@ -28,7 +28,7 @@ Workloads: short chat, long context, a Poisson mix and multi-turn chats (every s
 copy-heavy (repeat a piece of code, scripts/spec_prompts.py) and free-text (short stories) chat
 requests at concurrency 2, answers ending at EOS (every single-node system, so each speculating
 system has its plain twin in the run); short chat, long context and multi-turn chats again with
-aiperf as the client (vllm and duet-colocated: the systems at their defaults).
+aiperf as the client (vllm, duet-colocated and duet-disaggregated: the systems at their defaults).
 
 Flags come through `make bench-peer ARGS="..."`, e.g. ARGS="--quick --systems vllm,duet-colocated".
 """
@@ -63,7 +63,7 @@ from scripts.spec_prompts import copy_messages, free_messages, write_jsonl
 SYSTEMS = (PEER, PEER_FP32, PEER_NGRAM, PEER_DISAGG, PEER_DISAGG_BOUND, "duet-colocated", "duet-fp32", "duet-ngram",
            "duet-disaggregated")
 DISAGGREGATED = {PEER_DISAGG, PEER_DISAGG_BOUND, "duet-disaggregated"}
-AT_DEFAULTS = {PEER, "duet-colocated"}  # the systems the aiperf workloads run on
+AT_DEFAULTS = {PEER, "duet-colocated", "duet-disaggregated"}  # the systems the aiperf workloads run on
 FP32_ARGS = ("--dtype", "float32")
 SLO_MS = {"ttft": 10_000.0, "tpot": 200.0}  # goodput: requests meeting both
 NGRAM = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}  # duet's defaults
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer requests per workload (a few minutes in all)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--workloads", default=None, metavar="NAMES",
+                   help="comma-separated subset of the workloads, e.g. 'aiperf short-chat,aiperf multi-turn' "
+                   "(default: all)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the records (a JSON list) here")
     p.add_argument("--vllm-bind", metavar="CPUS", default=None,
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM's engine, e.g. 0-1 (default: vLLM's own choice, which on "
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             print("bench-peer: no vLLM system among --systems: no ratios, duet is not compared with itself", flush=True)
         model_dir = export_hf_model(tmp / served_model_name(default_model_path()))
         plan = workloads(a.quick, tmp)
+        if a.workloads is not None:
+            wanted = {w for w in a.workloads.split(",") if w}
+            if unknown := wanted - {w.name for w in plan}:
+                p.error(f"--workloads: unknown {sorted(unknown)}; choose from {', '.join(w.name for w in plan)}")
+            plan = [w for w in plan if w.name in wanted]
         results: dict[tuple[str, str], BenchmarkResult] = {}
         acceptance: dict[tuple[str, str], float | None] = {}
         dtypes: dict[str, str | None] = {}

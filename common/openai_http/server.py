@@ -70,12 +70,13 @@ class Front:
         app = web.Application(client_max_size=MAX_BODY_BYTES,
                               middlewares=[self._errors, self._capacity, self._authorized])
         routes = [("GET", "/health", self.health_route), ("GET", "/metrics", self.metrics_route),
-                  ("GET", "/v1/models", self.models_route), ("GET", "/v1/models/{name}", self.model_route),
+                  ("GET", "/v1/models", self.models_route), ("GET", "/v1/models/{name:.+}", self.model_route),
                   *(("POST", path, self.gateway_route) for path in POST_PATHS),
                   *(("POST", path, self.generate_route) for path in _ROUTES)]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
-            app.router.add_route(method, path + "/", handler)  # a trailing slash names the same route
+            if not path.endswith("}"):
+                app.router.add_route(method, path + "/", handler)  # a trailing slash names the same route
         app.on_cleanup.append(self._close_session)
         return app
 
@@ -170,7 +171,7 @@ class Front:
         return web.json_response({"object": "list", "data": [self._model_entry(name) for name in self.model_names]})
 
     async def model_route(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
+        name = request.match_info["name"].rstrip("/")  # a served name may hold slashes: "org/model"
         if name not in self.model_names:
             raise ApiError(HTTPStatus.NOT_FOUND, f"the model '{name}' does not exist", param="model",
                            code="model_not_found")

@@ -54,7 +54,7 @@ def with_front(test: Callable[[TestClient, StandInNode, HealthServicer], Awaitab
         server.add_insecure_port(target)
         await server.start()
         channel = grpc.aio.insecure_channel(target)
-        front = Front(("m",), channel, GatewayRoutes(), ApiKeys(), **front_args)
+        front = Front(front_args.pop("model_names", ("m",)), channel, GatewayRoutes(), ApiKeys(), **front_args)
         try:
             async with TestClient(TestServer(front.app(), handler_cancellation=True)) as client:
                 await test(client, node, health)
@@ -77,6 +77,16 @@ def test_health_follows_the_daemons_grpc_health(tmp_path) -> None:
             assert answer.status == 404 and "error" in await answer.json()
 
     with_front(test, tmp_path)
+
+
+def test_models_by_name_also_with_slashes(tmp_path) -> None:
+    async def test(client: TestClient, node: StandInNode, health: HealthServicer) -> None:
+        for path in ("/v1/models/org/m", "/v1/models/org/m/"):
+            assert (await (await client.get(path)).json())["id"] == "org/m"
+        answer = await client.get("/v1/models/other")
+        assert answer.status == 404 and (await answer.json())["error"]["code"] == "model_not_found"
+
+    with_front(test, tmp_path, model_names=("org/m",))
 
 
 def test_a_refusal_of_the_node_is_a_429_with_its_retry_hint(tmp_path) -> None:
