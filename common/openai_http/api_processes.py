@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import replace
 
+import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from common.openai_http.api_server import LISTEN_BACKLOG, ApiServerSettings
@@ -53,7 +54,7 @@ class OpenAIFront:
     Unix socket, with `registry` as their /metrics. The port is bound at construction; `start`
     starts the processes once gRPC serves."""
 
-    def __init__(self, host: str, port: int, count: int, settings: ApiServerSettings, grpc_server,
+    def __init__(self, host: str, port: int, count: int, settings: ApiServerSettings, grpc_server: grpc.Server,
                  registry: CollectorRegistry | None) -> None:
         self._listener = listening_socket(host, port)
         self._dir = tempfile.mkdtemp(prefix="duet-api-")  # 0700: only this user reaches the socket in it

@@ -12,11 +12,13 @@ import asyncio
 import json
 import logging
 import resource
+import shutil
 import signal
 import socket
 import ssl
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -113,6 +115,8 @@ async def serve(settings: ApiServerSettings, max_connections: int) -> None:
     log.info("api server stopping: in-flight requests finish", extra={"fields": {"api_server": settings.index}})
     await runner.cleanup()
     await channel.close()
+    if parent.done():  # the daemon is gone without cleaning up: its private directory goes too
+        shutil.rmtree(Path(settings.grpc_target.removeprefix("unix:")).parent, ignore_errors=True)
     parent.cancel()
 
 
