@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import errno
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
+from common.openai_http.api_server import raise_fd_limit
 from harness.local_daemons import ROOT, decode_node, free_port
 from loadgen.percentiles import percentile
 from loadgen.text_table import text_table
@@ -68,12 +68,6 @@ class Outcome:
 
     def exact(self, reference: str) -> bool:
         return self.complete() and self.text == reference
-
-
-def raise_fd_limit() -> None:
-    """The soft limit on open files up to the hard one: every client of a burst holds a socket."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def request_body(max_tokens: int) -> bytes:
@@ -301,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in a.counts.split(",") if c]
     if not counts or min(counts) < 1 or a.max_tokens < 1:
         p.error("--counts: positive integers; --max-tokens >= 1")
-    raise_fd_limit()
+    raise_fd_limit()  # every client of a burst holds a socket
     body = request_body(a.max_tokens)
     machine = {"cpu": cpu_model(), "commit": git_commit()}  # before the run: HEAD may move meanwhile
     with tempfile.TemporaryDirectory(prefix="bench_burst_") as tmp:

@@ -48,11 +48,20 @@ def test_defaults():
     (["--prefix-fetch", "maybe"], "invalid choice"),
     (["--kv-sliding-pages", "-1"], "--kv-sliding-pages must be >= 0"),
     (["--kv-sliding-pages", "8", "--kv-offload-dir", "/tmp/tier"], "--kv-sliding-pages 0"),
+    (["--api-server-count", "0"], "--api-server-count: must be at least 1"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         decode_args(argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_config_files_api_server_count_is_checked_too(tmp_path, capsys):
+    config = tmp_path / "decode.json"
+    config.write_text('{"api-server-count": 0}')
+    with pytest.raises(SystemExit) as info:
+        decode_args(["--config", str(config)])
+    assert info.value.code == 2 and "--api-server-count must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_unknown_config_file_key_is_an_error(tmp_path, capsys):
