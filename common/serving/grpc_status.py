@@ -10,6 +10,8 @@ import grpc
 
 from common.errors import ErrorCode, RequestError
 
+RETRY_AFTER_KEY = "retry-after"  # a refusal's retry hint in trailing metadata, whole seconds
+
 
 def to_grpc(code: ErrorCode) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
@@ -45,9 +47,6 @@ def answered_with_status(context: grpc.ServicerContext,
         if exc.retry_after is not None:
             context.set_trailing_metadata(retry_metadata(exc.retry_after))
         context.abort(to_grpc(exc.code), str(exc))
-
-
-RETRY_AFTER_KEY = "retry-after"
 
 
 def retry_metadata(seconds: int) -> tuple[tuple[str, str], ...]:
