@@ -29,6 +29,7 @@ def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
                                     max_model_len=node.engine.model.config.max_position_embeddings,
                                     api_server_count=config.api_server_count, max_generations=config.max_requests,
                                     drain_seconds=config.drain_seconds,
+                                    strip_billing_header=config.anthropic_billing_header == "strip",
                                     log_level=config.log_level)
     attach_kv_event_publisher(daemon, config, node.engine.kv_events, front.port if front else daemon.port,
                               front.model_name if front else served_model_name(config.model))

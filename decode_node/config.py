@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from common.engine.speculative import METHODS, SpeculativeConfig
 from common.openai_http import add_openai_args
+from common.openai_http.messages_api import BILLING_HEADER_CHOICES
 from common.peers.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy, add_routing_args
 from common.serving.daemon_config import DaemonConfig, daemon_parser, parse_config
 
@@ -42,6 +43,7 @@ class DecodeNodeConfig(DaemonConfig):
     served_model_name: tuple[str, ...] = ()  # names the HTTP API answers to, the first reported; () = from --model
     api_key: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys the HTTP API requires; () = none
     tool_call_parser: str = "hermes"  # how the HTTP API reads tool calls out of tool_choice "auto" answers
+    anthropic_billing_header: str = "strip"  # Claude Code's per-request system line, dropped before templating
     speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (common/engine/speculative.py)
     num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
     ngram_min: int = SpeculativeConfig.ngram_min
@@ -102,6 +104,9 @@ class DecodeNodeConfig(DaemonConfig):
             raise ValueError("--api-key guards the HTTP API: give --openai-port too")
         if self.api_server_count is not None and not (type(self.api_server_count) is int and self.api_server_count >= 1):
             raise ValueError(f"--api-server-count must be an integer >= 1, got {self.api_server_count!r}")
+        if self.anthropic_billing_header not in BILLING_HEADER_CHOICES:
+            raise ValueError(f"--anthropic-billing-header must be one of {', '.join(BILLING_HEADER_CHOICES)}, "
+                             f"got {self.anthropic_billing_header!r}")
         bad = next((a for a in self.drain_to if a.rpartition(":")[0] == "" or not a.rpartition(":")[2].isdigit()), None)
         if bad is not None:
             raise ValueError(f"--drain-to {bad!r} must be HOST:PORT")

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.openai_port is not None:
         attach_openai_front(daemon, args.tls, args.openai_port, args.served_model_name, args.model,
                             args.api_key, args.tool_call_parser, registry=router.registry,
-                            api_server_count=args.api_server_count, log_level=args.log_level)
+                            api_server_count=args.api_server_count,
+                            strip_billing_header=args.anthropic_billing_header == "strip", log_level=args.log_level)
     stop = threading.Event()
     if args.members is not None:
         threading.Thread(target=watch_members, args=(args.members, decode, prefill, stop, args.poll_seconds),

@@ -50,6 +50,7 @@ class Chunk:
     index: int = 0
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token, when the request asked for them
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # in the request's first chunk, when asked
+    stop_string: str | None = None  # with finish_reason STOP: the stop string that ended the sample, if one did
 
     @property
     def final(self) -> bool:
@@ -60,7 +61,7 @@ class Chunk:
         """This unfinished chunk and the same sample's next chunk as one."""
         return Chunk(self.token_ids + later.token_ids, self.text + later.text, later.finish_reason, later.usage,
                      later.error_code, later.error, self.index, self.logprobs + later.logprobs,
-                     self.prompt_logprobs + later.prompt_logprobs)
+                     self.prompt_logprobs + later.prompt_logprobs, later.stop_string)
 
 
 @dataclass(eq=False)

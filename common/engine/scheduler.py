@@ -434,11 +434,12 @@ class Scheduler(EngineLoop):
             if self.engine.outgrow_short_rope(r.seq):  # it prefills again, as a preempted sample does
                 self.tracer.event(r.request_id, "long_rope_recompute", tokens=len(r.seq.token_ids))
         else:
-            self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs)
+            self._finish(r, [token], text + r.detok.flush(), reason, logprobs=logprobs,
+                         stop_string=r.detok.finished_by_stop)
 
     def _finish(self, r: Sample, tokens: list[int], text: str, reason: FinishReason,
                 error_code: ErrorCode | None = None, error: str | None = None,
-                logprobs: tuple[PositionLogprobs, ...] = ()) -> None:
+                logprobs: tuple[PositionLogprobs, ...] = (), stop_string: str | None = None) -> None:
         """End one sample and free its pages (exactly once: it leaves `_active` here). The
         request's last sample to end sends the final chunk, with everyone's usage."""
         if r not in self._active:
@@ -455,7 +456,7 @@ class Scheduler(EngineLoop):
                               completion_tokens=group.completion_tokens)
             self._on_finished(group, reason)
         group.send(Chunk(tokens, text, reason, usage, error_code, error, r.index, logprobs,
-                         group.take_prompt_logprobs()))
+                         group.take_prompt_logprobs(), stop_string))
 
     def _fail(self, r: Sample, code: ErrorCode, message: str) -> None:
         """Fail `r`'s request: every sample of it ends with the error."""

@@ -20,6 +20,7 @@ from common.model.default_model import default_model_path
 from common.openai_http.api_keys import ENV_VAR, configured_keys
 from common.openai_http.api_processes import OpenAIFront, default_api_server_count
 from common.openai_http.api_server import ApiServerSettings
+from common.openai_http.messages_api import BILLING_HEADER, BILLING_HEADER_CHOICES
 from common.openai_http.tool_output import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from common.serving.tls import TlsFiles
 
@@ -51,6 +52,10 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=DEFAULT_TOOL_CALL_PARSER,
                         help="how a chat answer under tool_choice 'auto' is read for calls: 'hermes' = "
                         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks (default %(default)s)")
+    parser.add_argument("--anthropic-billing-header", choices=BILLING_HEADER_CHOICES, default="strip",
+                        help=f"/v1/messages: 'strip' drops a system prompt's '{BILLING_HEADER}' lines (Claude Code "
+                        "sends one that changes every request) before the prompt is rendered, so an agent's turns "
+                        "share their prefix in the prefix cache; 'keep' renders them (default %(default)s)")
 
 
 def _positive(value: str) -> int:
@@ -74,7 +79,8 @@ def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_nam
                         tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, *,
                         registry: CollectorRegistry | None = None, max_model_len: int | None = None,
                         api_server_count: int | None = None, max_generations: int | None = None,
-                        drain_seconds: float = 10.0, log_level: str = "info") -> OpenAIFront:
+                        drain_seconds: float = 10.0, strip_billing_header: bool = True,
+                        log_level: str = "info") -> OpenAIFront:
     """Bind the HTTP port now and have `daemon` run its API servers once gRPC serves; they call
     the daemon's own `Generate` over a Unix socket and read its health, and `registry` as /metrics.
     With TLS on, the front serves HTTPS with the daemon's certificate, requiring client
@@ -84,7 +90,8 @@ def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_nam
     `api_keys` (with DUET_API_KEY) are the Bearer keys /v1/* requires; none = no key.
     `tool_call_parser` reads tool calls out of "auto" answers. `api_server_count` processes serve
     the port (None: `default_api_server_count`); `max_generations` is the daemon's cap on the
-    requests it holds, which an API server holding as many refuses itself (None: no cap)."""
+    requests it holds, which an API server holding as many refuses itself (None: no cap).
+    `strip_billing_header`: /v1/messages drops Claude Code's billing line from system prompts."""
     names = (served_names,) if isinstance(served_names, str) else tuple(served_names)  # a config file's string
     names = tuple(n for n in names if n) or (served_model_name(model),)
     keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys)
@@ -93,7 +100,8 @@ def attach_openai_front(daemon: GrpcDaemon, tls: TlsFiles, port: int, served_nam
         api_keys=configured_keys(keys), tool_call_parser=tool_call_parser,
         tokenizer_path=str(model or default_model_path()), max_model_len=max_model_len, metrics_url=None,
         created=int(time.time()), tls_cert=_path(tls.cert), tls_key=_path(tls.key), tls_ca=_path(tls.ca),
-        max_generations=max_generations, drain_seconds=drain_seconds, log_level=log_level)
+        max_generations=max_generations, drain_seconds=drain_seconds, strip_billing_header=strip_billing_header,
+        log_level=log_level)
     front = OpenAIFront(daemon.address.rsplit(":", 1)[0], port, api_server_count or default_api_server_count(),
                         settings, daemon.server, registry)
     daemon.add_front(front)

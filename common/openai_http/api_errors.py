@@ -31,6 +31,17 @@ _ERROR_TYPE_OF = {
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
 }
 
+# ... and the `error.type` of Anthropic's API.
+_ANTHROPIC_TYPE_OF = {
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.FORBIDDEN: "permission_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "request_too_large",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "overloaded_error",
+    HTTPStatus.GATEWAY_TIMEOUT: "timeout_error",
+}
+
 
 class ApiError(Exception):
     """A failure answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
@@ -66,6 +77,11 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = _ERROR_TYPE_OF.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        """The same failure in Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`."""
+        kind = _ANTHROPIC_TYPE_OF.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": str(self)}}
 
 
 def refuse_unknown_keys(value: dict, keys: set[str], name: str) -> None:

@@ -34,16 +34,18 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self._keys)
 
-    def admits(self, authorization: str | None) -> bool:
-        """Whether an `Authorization` header value carries one of the keys as a Bearer token."""
+    def admits(self, authorization: str | None, api_key: str | None = None) -> bool:
+        """Whether an `Authorization` header value carries one of the keys as a Bearer token, or
+        an `x-api-key` header value (Anthropic's clients) is one."""
         if not self._keys:
             return True
-        if authorization is None or authorization[:len(_BEARER)].lower() != _BEARER:
-            return False
-        presented = authorization[len(_BEARER):].strip().encode()
+        presented = [api_key.strip().encode()] if api_key is not None else []
+        if authorization is not None and authorization[:len(_BEARER)].lower() == _BEARER:
+            presented.append(authorization[len(_BEARER):].strip().encode())
         matched = False
         for key in self._keys:  # no early exit: every key is compared every time
-            matched |= hmac.compare_digest(presented, key)
+            for value in presented:
+                matched |= hmac.compare_digest(value, key)
         return matched
 
     def __repr__(self) -> str:

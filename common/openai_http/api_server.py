@@ -55,6 +55,7 @@ class ApiServerSettings:
     tls_key: str | None = None
     tls_ca: str | None = None
     drain_seconds: float = 10.0  # how long in-flight requests may take to end after SIGTERM
+    strip_billing_header: bool = True  # /v1/messages: Claude Code's billing line dropped from system prompts
     index: int = 0  # which of its daemon's API servers this is (logs)
     log_level: str = "info"
 
@@ -101,7 +102,7 @@ async def serve(settings: ApiServerSettings, max_connections: int) -> None:
     front = Front(settings.model_names, channel, GatewayRoutes(tokenizer, settings.max_model_len),
                   ApiKeys(settings.api_keys), settings.tool_call_parser, settings.metrics_url, settings.created,
                   max_connections, lambda: len(runner.server.connections) if runner and runner.server else 0,
-                  settings.max_generations)
+                  settings.max_generations, settings.strip_billing_header)
     runner = web.AppRunner(front.app(), handler_cancellation=True, access_log=None, keepalive_timeout=IDLE_SECONDS,
                            shutdown_timeout=settings.drain_seconds + 5)
     await runner.setup()

@@ -54,14 +54,17 @@ class GatewayRoutes:
             return Reply(HTTPStatus.OK, {"prompt": self.tokenizer.decode(self._token_ids(body))})
         if path == "/tokenize":
             endpoint = Endpoint.CHAT if "messages" in body else Endpoint.COMPLETIONS
-            tokens = self._render(endpoint, _generation_fields(body), model_names)
+            tokens = self.render(endpoint, _generation_fields(body), model_names)
             return Reply(HTTPStatus.OK, {"count": len(tokens), "max_model_len": self.max_model_len,
                                          "tokens": tokens, "token_strs": None})
         if path == "/v1/completions/render":
-            return Reply(HTTPStatus.OK, [{"token_ids": self._render(Endpoint.COMPLETIONS, body, model_names)}])
-        return Reply(HTTPStatus.OK, {"token_ids": self._render(Endpoint.CHAT, body, model_names)})
+            return Reply(HTTPStatus.OK, [{"token_ids": self.render(Endpoint.COMPLETIONS, body, model_names)}])
+        return Reply(HTTPStatus.OK, {"token_ids": self.render(Endpoint.CHAT, body, model_names)})
 
-    def _render(self, endpoint: Endpoint, body: dict, model_names: tuple[str, ...]) -> list[int]:
+    def render(self, endpoint: Endpoint, body: dict, model_names: tuple[str, ...]) -> list[int]:
+        """The prompt's token ids a request of `endpoint` with `body` would run."""
+        if self.tokenizer is None:
+            raise ApiError(HTTPStatus.NOT_FOUND, "this daemon has no tokenizer here: it counts no tokens")
         request = map_request(endpoint, body, model_names).generate
         try:
             return prompt_token_ids(request, self.tokenizer)

@@ -33,27 +33,27 @@ class Endpoint(Enum):
 
 
 HONOURED = None  # a FIELDS entry: the field is read and acted on
-_ZERO = (None, 0)
-_NOTHING = (None,)
-_ANY_TEXT = "any string"  # an identifier for the caller's records (no effect on the answer)
-# Every field of each endpoint -> HONOURED, _ANY_TEXT, or the values that ask for nothing (refused otherwise).
+ZERO = (None, 0)
+NOTHING = (None,)
+ANY_TEXT = "any string"  # an identifier for the caller's records (no effect on the answer)
+# Every field of each endpoint -> HONOURED, ANY_TEXT, or the values that ask for nothing (refused otherwise).
 _COMMON_FIELDS: dict[str, Any] = {
     "model": HONOURED, "n": HONOURED, "stream": HONOURED, "stream_options": HONOURED, "max_tokens": HONOURED,
     "temperature": HONOURED, "top_p": HONOURED, "seed": HONOURED, "stop": HONOURED, "logprobs": HONOURED,
-    "response_format": HONOURED, "user": _ANY_TEXT,
+    "response_format": HONOURED, "user": ANY_TEXT,
     "top_k": HONOURED, "ignore_eos": HONOURED,  # vLLM extensions that standard benchmarks send
     "num_speculative_tokens": HONOURED,  # duet: draft tokens per step on a --speculative node
-    "logit_bias": (None, {}), "presence_penalty": _ZERO, "frequency_penalty": _ZERO,
+    "logit_bias": (None, {}), "presence_penalty": ZERO, "frequency_penalty": ZERO,
 }
 _COMPLETION_ONLY: dict[str, Any] = {"prompt": HONOURED, "echo": HONOURED, "best_of": HONOURED, "suffix": (None, "")}
 _CHAT_ONLY: dict[str, Any] = {
     "messages": HONOURED, "max_completion_tokens": HONOURED, "top_logprobs": HONOURED,
-    "safety_identifier": _ANY_TEXT, "prompt_cache_key": _ANY_TEXT,  # the prefix cache needs no hint
+    "safety_identifier": ANY_TEXT, "prompt_cache_key": ANY_TEXT,  # the prefix cache needs no hint
     "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
-    "functions": (None, []), "function_call": (None, "none"), "audio": _NOTHING, "modalities": (None, ["text"]),
-    "prediction": _NOTHING, "reasoning_effort": _NOTHING, "verbosity": _NOTHING, "web_search_options": _NOTHING,
+    "functions": (None, []), "function_call": (None, "none"), "audio": NOTHING, "modalities": (None, ["text"]),
+    "prediction": NOTHING, "reasoning_effort": NOTHING, "verbosity": NOTHING, "web_search_options": NOTHING,
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
-    "moderation": _NOTHING, "prompt_cache_options": _NOTHING, "prompt_cache_retention": _NOTHING,
+    "moderation": NOTHING, "prompt_cache_options": NOTHING, "prompt_cache_retention": NOTHING,
 }
 FIELDS: dict[Endpoint, dict[str, Any]] = {Endpoint.COMPLETIONS: {**_COMMON_FIELDS, **_COMPLETION_ONLY},
                                           Endpoint.CHAT: {**_COMMON_FIELDS, **_CHAT_ONLY}}
@@ -83,22 +83,22 @@ def map_request(endpoint: Endpoint, body: Any, served_models: str | tuple[str, .
     if not isinstance(body, dict):
         raise ApiError.invalid("the request body must be a JSON object")
     served = (served_models,) if isinstance(served_models, str) else served_models
-    model = _get(body, "model", str)
+    model = get_value(body, "model", str)
     if model is not None and model not in served:
         raise ApiError(HTTPStatus.NOT_FOUND, f"the model '{model}' does not exist; this server serves "
                        f"{', '.join(repr(m) for m in served)}", param="model", code="model_not_found")
     chat = endpoint is Endpoint.CHAT
-    _refuse_unsupported(body, FIELDS[endpoint])
-    n = _get(body, "n", int, 1, check=lambda v: 1 <= v <= MAX_N, need=f"an integer from 1 to {MAX_N}")
+    refuse_unsupported(body, FIELDS[endpoint])
+    n = get_value(body, "n", int, 1, check=lambda v: 1 <= v <= MAX_N, need=f"an integer from 1 to {MAX_N}")
     if not chat:
-        best_of = _get(body, "best_of", int)
+        best_of = get_value(body, "best_of", int)
         if best_of is not None and best_of != n:
             raise ApiError.invalid("best_of is not supported (only best_of == n)", param="best_of")
-    stream = _get(body, "stream", bool, False)
-    stream_options = _get(body, "stream_options", dict)
+    stream = get_value(body, "stream", bool, False)
+    stream_options = get_value(body, "stream_options", dict)
     if stream_options is not None and not stream:
         raise ApiError.invalid("stream_options is only allowed when stream is true", param="stream_options")
-    include_usage = _get(stream_options or {}, "include_usage", bool, False, name="stream_options.include_usage")
+    include_usage = get_value(stream_options or {}, "include_usage", bool, False, name="stream_options.include_usage")
     request = pb.GenerateRequest(request_id=uuid.uuid4().hex)
     plan = None
     if chat:
@@ -114,7 +114,7 @@ def map_request(endpoint: Endpoint, body: Any, served_models: str | tuple[str, .
     forced = plan.guided() if plan is not None else None
     if forced is not None:
         request.sampling.guided.CopyFrom(forced)
-    echo = not chat and _get(body, "echo", bool, False)
+    echo = not chat and get_value(body, "echo", bool, False)
     if echo and (request.sampling.logprobs or request.token_ids):  # the prompt's tokens (and text) come from the node
         request.sampling.prompt_logprobs = request.sampling.top_logprobs
     return MappedRequest(endpoint, request, n, stream, include_usage, request.sampling.logprobs, echo, plan)
@@ -122,23 +122,23 @@ def map_request(endpoint: Endpoint, body: Any, served_models: str | tuple[str, .
 
 def _sampling(body: dict, chat: bool, n: int) -> pb.SamplingParams:
     nonnegative = {"check": lambda v: v >= 0, "need": "an integer >= 0"}
-    max_tokens = _get(body, "max_tokens", int, **nonnegative)
+    max_tokens = get_value(body, "max_tokens", int, **nonnegative)
     if chat:
-        max_tokens = _get(body, "max_completion_tokens", int, max_tokens, **nonnegative)
+        max_tokens = get_value(body, "max_completion_tokens", int, max_tokens, **nonnegative)
     if max_tokens is None:
         max_tokens = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
     params = pb.SamplingParams(
         max_tokens=max_tokens,
-        temperature=_get(body, "temperature", float, DEFAULT_TEMPERATURE),
-        top_p=_get(body, "top_p", float, 1.0),
-        top_k=_get(body, "top_k", int, 0),
-        ignore_eos=_get(body, "ignore_eos", bool, False),
+        temperature=get_value(body, "temperature", float, DEFAULT_TEMPERATURE),
+        top_p=get_value(body, "top_p", float, 1.0),
+        top_k=get_value(body, "top_k", int, 0),
+        ignore_eos=get_value(body, "ignore_eos", bool, False),
         stop=_stop_strings(body),
     )
-    seed = _get(body, "seed", int)
+    seed = get_value(body, "seed", int)
     if seed is not None:
         params.seed = seed
-    draft = _get(body, "num_speculative_tokens", int, **nonnegative)
+    draft = get_value(body, "num_speculative_tokens", int, **nonnegative)
     if draft is not None:
         params.num_speculative_tokens = draft
     if n != 1:
@@ -157,12 +157,12 @@ def _set_logprobs(params: pb.SamplingParams, body: dict, chat: bool) -> None:
     """Chat: `logprobs` (bool) and `top_logprobs` (int); completions: `logprobs` (int, how many
     most likely tokens per position)."""
     if chat:
-        params.logprobs = _get(body, "logprobs", bool, False)
-        params.top_logprobs = _get(body, "top_logprobs", int, 0, **_TOP_RANGE)
+        params.logprobs = get_value(body, "logprobs", bool, False)
+        params.top_logprobs = get_value(body, "top_logprobs", int, 0, **_TOP_RANGE)
         if params.top_logprobs and not params.logprobs:
             raise ApiError.invalid("top_logprobs needs logprobs to be true", param="top_logprobs")
         return
-    top = _get(body, "logprobs", int, None, **_TOP_RANGE)
+    top = get_value(body, "logprobs", int, None, **_TOP_RANGE)
     if top is not None:
         params.logprobs = True
         params.top_logprobs = top
@@ -170,7 +170,7 @@ def _set_logprobs(params: pb.SamplingParams, body: dict, chat: bool) -> None:
 
 def _guided(body: dict) -> pb.GuidedDecoding | None:
     """`response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema"}}."""
-    response_format = _get(body, "response_format", dict)
+    response_format = get_value(body, "response_format", dict)
     if response_format is None:
         return None
     kind = response_format.get("type")
@@ -199,7 +199,7 @@ def _set_prompt(request: pb.GenerateRequest, body: dict) -> None:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         request.token_ids.extend(prompt)
     else:
         raise ApiError.invalid("prompt must be a non-empty string or a non-empty list of token ids",
@@ -217,13 +217,13 @@ def _stop_strings(body: dict) -> list[str]:
     raise ApiError.invalid("stop must be a string or a list of strings", param="stop")
 
 
-def _refuse_unsupported(body: dict, fields: dict[str, Any]) -> None:
+def refuse_unsupported(body: dict, fields: dict[str, Any]) -> None:
     for name, value in body.items():
         if name not in fields:
             raise ApiError.invalid(f"unknown field '{name}': this server does not support it", param=name)
         treatment = fields[name]
-        if treatment is _ANY_TEXT:
-            _get(body, name, str)
+        if treatment is ANY_TEXT:
+            get_value(body, name, str)
         elif treatment is not HONOURED and value not in treatment:
             raise ApiError.invalid(f"'{name}' is not supported by this server (only {_neutral(treatment)})",
                                    param=name)
@@ -233,14 +233,15 @@ def _neutral(values: tuple) -> str:
     return " or ".join("null" if v is None else json.dumps(v) for v in values)
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object"}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
+               list: "a list"}
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _get(body: dict, key: str, kind: type, default: Any = None, *, name: str | None = None,
+def get_value(body: dict, key: str, kind: type, default: Any = None, *, name: str | None = None,
          check: Callable[[Any], bool] | None = None, need: str | None = None) -> Any:
     """`body[key]` if present and not null, checked to be of `kind` (ints count as numbers,
     booleans never as numbers), else `default`."""
@@ -251,7 +252,7 @@ def _get(body: dict, key: str, kind: type, default: Any = None, *, name: str | N
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif kind is int:
-        ok = _is_int(value)
+        ok = is_int(value)
     else:
         ok = isinstance(value, kind)
     if not ok or (check is not None and not check(value)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from http import HTTPStatus
+from typing import Protocol
 
 from common.openai_http.api_errors import ApiError
 from common.openai_http.logprob_shaping import CompletionLogprobs, chat_logprobs
@@ -51,8 +52,24 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
+class AnswerShaper(Protocol):
+    """What the server asks of an API's answers: the whole response, or its server-sent events."""
+
+    named_events: bool  # each event goes out with an `event:` line naming its `type`
+    end_of_stream: bytes  # written after the last event
+
+    def response(self, chunks: Iterable[pb.GenerationChunk]) -> dict: ...
+    def opening(self) -> Iterator[dict]: ...
+    def events(self, chunk: pb.GenerationChunk) -> Iterator[dict]: ...
+    def closing(self) -> Iterator[dict]: ...
+    def failure(self, error: ApiError) -> dict: ...
+
+
 class ResponseShaper:
-    """Builds the response objects of one request."""
+    """Builds the response objects of one completions or chat completions request."""
+
+    named_events = False
+    end_of_stream = b"data: [DONE]\n\n"
 
     def __init__(self, request: MappedRequest, model: str, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> None:
         self.request = request
@@ -158,6 +175,10 @@ class ResponseShaper:
         for i, delta in enumerate(deltas):
             yield self._stream_chunk(chunk.index, {"delta": delta, **(logprobs if i == 0 else {})},
                                      reason if i == len(deltas) - 1 else None)
+
+    def failure(self, error: ApiError) -> dict:
+        """The in-band event of a stream that failed after it started."""
+        return error.body()
 
     @property
     def _stream_object(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from http import HTTPStatus
 
 import grpc
@@ -22,9 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.errors import RequestError
 from common.openai_http.api_errors import BUSY_RETRY_SECONDS, NOT_READY_RETRY_SECONDS, ApiError
 from common.openai_http.api_keys import ApiKeys
+from common.openai_http import messages_api, responses_api
 from common.openai_http.gateway_routes import POST_PATHS, PREFILLER_HEADER, GatewayRoutes, prefiller_metadata
+from common.openai_http.messages_api import MessagesShaper
 from common.openai_http.request_mapping import Endpoint, MappedRequest, map_request
-from common.openai_http.response_shaping import ResponseShaper
+from common.openai_http.response_shaping import AnswerShaper, ResponseShaper
+from common.openai_http.responses_api import ResponsesShaper
 from common.serving.prompts import prompt_token_ids
 from common.serving.retry_hint import RetryHint
 from protos.duet.v1 import duet_pb2 as pb
@@ -35,6 +38,7 @@ log = logging.getLogger("openai_http")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 HEALTH_TIMEOUT_SECONDS = 2.0
 _ROUTES = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+ANTHROPIC_PATHS = "/v1/messages"  # its routes answer errors in Anthropic's shape
 
 
 class Front:
@@ -44,12 +48,15 @@ class Front:
     registry; `gateway` renders prompts (tokenize, render, and every generation's prompt);
     `open_connections()` counts this process's connections, capped at `max_connections`;
     `max_generations` is the daemon's cap on the requests it holds (None: no cap): this process
-    alone holding that many, the daemon would refuse the next, so it is refused here at once."""
+    alone holding that many, the daemon would refuse the next, so it is refused here at once.
+    `strip_billing_header`: drop Claude Code's per-request billing line from Messages' system
+    prompts (common/openai_http/messages_api.py)."""
 
     def __init__(self, model_names: tuple[str, ...], channel: grpc.aio.Channel, gateway: GatewayRoutes,
                  api_keys: ApiKeys = ApiKeys(), tool_call_parser: str = "hermes", metrics_url: str | None = None,
                  created: int = 0, max_connections: int = 4096,
-                 open_connections: Callable[[], int] = lambda: 0, max_generations: int | None = None) -> None:
+                 open_connections: Callable[[], int] = lambda: 0, max_generations: int | None = None,
+                 strip_billing_header: bool = True) -> None:
         self.model_names = model_names
         self.model_name = model_names[0]
         self.stub = duet_pb2_grpc.DecodeNodeStub(channel)
@@ -62,6 +69,7 @@ class Front:
         self.max_connections = max_connections
         self.open_connections = open_connections
         self.max_generations = max_generations
+        self.strip_billing_header = strip_billing_header
         self._generating = 0  # this process's calls to Generate in flight
         self._stays = RetryHint()  # how long they last: the retry hint of the refusals made here
         self._session: ClientSession | None = None
@@ -72,7 +80,11 @@ class Front:
         routes = [("GET", "/health", self.health_route), ("GET", "/metrics", self.metrics_route),
                   ("GET", "/v1/models", self.models_route), ("GET", "/v1/models/{name:.+}", self.model_route),
                   *(("POST", path, self.gateway_route) for path in POST_PATHS),
-                  *(("POST", path, self.generate_route) for path in _ROUTES)]
+                  *(("POST", path, self.generate_route) for path in _ROUTES),
+                  ("POST", "/v1/responses", self.responses_route),
+                  ("POST", "/v1/responses/input_tokens", self.input_tokens_route),
+                  ("POST", "/v1/messages", self.messages_route),
+                  ("POST", "/v1/messages/count_tokens", self.count_tokens_route)]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
             if not path.endswith("}"):
@@ -85,25 +97,26 @@ class Front:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
-        """Every failure as an OpenAI error body; a route that does not exist is a 404 naming
-        the routes; a path with a trailing slash is its route."""
+        """Every failure as an OpenAI (or, under /v1/messages, Anthropic) error body; a route that
+        does not exist is a 404 naming the routes; a path with a trailing slash is its route."""
         try:
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc)
+            return error_response(exc, request)
         except web.HTTPRequestEntityTooLarge:
             return error_response(ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                           f"the body must be at most {MAX_BODY_BYTES} bytes"))
+                                           f"the body must be at most {MAX_BODY_BYTES} bytes"), request)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
             return error_response(ApiError(HTTPStatus.NOT_FOUND, f"no route {request.method} {request.path}; this "
-                                           "server serves /v1/completions, /v1/chat/completions and /v1/models, "
-                                           "their /render, /tokenize, /detokenize, /health and /metrics"))
+                                           "server serves /v1/completions, /v1/chat/completions, /v1/responses, "
+                                           "/v1/messages and /v1/models, their /render, /input_tokens, "
+                                           "/count_tokens, /tokenize, /detokenize, /health and /metrics"), request)
         except web.HTTPException:
             raise
         except Exception:
             log.exception("http request failed", extra={"fields": {"path": request.path}})
             return error_response(ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "the server failed to answer this "
-                                           "request (its log has the cause)"))
+                                           "request (its log has the cause)"), request)
 
     @web.middleware
     async def _capacity(self, request: web.Request,
@@ -115,22 +128,24 @@ class Front:
                 "client": request.remote, "max_connections": self.max_connections}})
             return error_response(ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"this server holds its limit of "
                                            f"{self.max_connections} connections; retry later",
-                                           retry_after=BUSY_RETRY_SECONDS), {"Connection": "close"})
+                                           retry_after=BUSY_RETRY_SECONDS), request, {"Connection": "close"})
         return await handler(request)
 
     @web.middleware
     async def _authorized(self, request: web.Request,
                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """/v1/* wants one of the API keys; a refusal is answered 401 (the key presented, if
-        any, is neither logged nor echoed)."""
+        """/v1/* wants one of the API keys, as a Bearer token or (Anthropic's clients) in
+        `x-api-key`; a refusal is answered 401 (the key presented, if any, is neither logged nor
+        echoed)."""
         path = request.path.rstrip("/")
-        if (path == "/v1" or path.startswith("/v1/")) and not self.api_keys.admits(request.headers.get("Authorization")):
+        if (path == "/v1" or path.startswith("/v1/")) and not self.api_keys.admits(
+                request.headers.get("Authorization"), request.headers.get("x-api-key")):
             log.info("http request without a valid api key", extra={"fields": {"client": request.remote,
                                                                                 "path": path}})
             return error_response(ApiError(
                 HTTPStatus.UNAUTHORIZED, "a valid API key is required: send the header 'Authorization: Bearer KEY' "
-                "with a key this server was started with (--api-key)", code="invalid_api_key"),
-                {"WWW-Authenticate": "Bearer"})
+                "(or 'x-api-key: KEY') with a key this server was started with (--api-key)", code="invalid_api_key"),
+                request, {"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     # ---- routes ----
@@ -185,19 +200,56 @@ class Front:
         return web.json_response(answer.body, status=answer.status)
 
     async def generate_route(self, request: web.Request) -> web.StreamResponse:
+        """/v1/completions and /v1/chat/completions."""
+        self._admit()
+        mapped = map_request(_ROUTES[request.path.rstrip("/")], await _json_body(request), self.model_names)
+        return await self._generate(request, mapped, ResponseShaper(mapped, self.model_name, self.tool_call_parser))
+
+    async def responses_route(self, request: web.Request) -> web.StreamResponse:
+        """/v1/responses: the chat request it means, answered as a Response."""
+        self._admit()
+        body = await _json_body(request)
+        mapped = map_request(Endpoint.CHAT, responses_api.chat_body(body), self.model_names)
+        return await self._generate(request, mapped,
+                                    ResponsesShaper(mapped, self.model_name, body, self.tool_call_parser))
+
+    async def messages_route(self, request: web.Request) -> web.StreamResponse:
+        """/v1/messages: the chat request it means, answered as an Anthropic Message."""
+        self._admit()
+        chat = messages_api.chat_body(await _json_body(request), self.strip_billing_header)
+        mapped = map_request(Endpoint.CHAT, chat, self.model_names)
+        return await self._generate(request, mapped, MessagesShaper(mapped, self.model_name, self.tool_call_parser))
+
+    async def input_tokens_route(self, request: web.Request) -> web.Response:
+        """/v1/responses/input_tokens: the prompt's length, as /v1/responses would render it."""
+        chat = responses_api.chat_body(await _json_body(request), responses_api.INPUT_TOKENS_FIELDS)
+        return web.json_response({"object": "response.input_tokens", "input_tokens": self._prompt_length(chat)})
+
+    async def count_tokens_route(self, request: web.Request) -> web.Response:
+        """/v1/messages/count_tokens: the prompt's length, as /v1/messages would render it."""
+        chat = messages_api.chat_body(await _json_body(request), self.strip_billing_header,
+                                      messages_api.COUNT_TOKENS_FIELDS)
+        return web.json_response({"input_tokens": self._prompt_length(chat)})
+
+    def _prompt_length(self, chat: dict) -> int:
+        return len(self.gateway.render(Endpoint.CHAT, chat, self.model_names))
+
+    def _admit(self) -> None:
+        """This process holding `max_generations` calls, the daemon would refuse the next: a 429
+        now, before the body is read."""
         if self.max_generations is not None and (held := self._generating) >= self.max_generations:
             raise ApiError(HTTPStatus.TOO_MANY_REQUESTS, f"{held} requests are already running or waiting here "
                            f"(--max-requests {self.max_generations}); retry later", code="resource_exhausted",
                            retry_after=self._stays.seconds(held - self.max_generations + 1, held))
-        mapped = map_request(_ROUTES[request.path.rstrip("/")], await _json_body(request), self.model_names)
+
+    async def _generate(self, request: web.Request, mapped: MappedRequest, shaper: AnswerShaper) -> web.StreamResponse:
         call = self.stub.Generate(self._rendered(mapped), metadata=prefiller_metadata(
             request.headers.get(PREFILLER_HEADER)))
         self._generating += 1
         started = time.monotonic()
         try:
             if mapped.stream:
-                return await self._stream(request, mapped, call)
-            shaper = ResponseShaper(mapped, self.model_name, self.tool_call_parser)
+                return await self._stream(request, shaper, call)
             return web.json_response(shaper.response([chunk async for chunk in _chunks(call)]))
         finally:
             self._generating -= 1
@@ -222,22 +274,22 @@ class Front:
         rendered.token_ids.extend(tokens)
         return rendered
 
-    async def _stream(self, request: web.Request, mapped: MappedRequest, call) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, shaper: AnswerShaper, call) -> web.StreamResponse:
         chunks = _chunks(call)
         first = await anext(chunks, None)  # the node's refusal comes before any chunk: an HTTP error
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        shaper = ResponseShaper(mapped, self.model_name, self.tool_call_parser)
+        named = shaper.named_events
         try:
-            await _send(response, shaper.opening())
+            await _send(response, shaper.opening(), named)
             if first is not None:
-                await _send(response, shaper.events(first))
+                await _send(response, shaper.events(first), named)
                 async for chunk in chunks:
-                    await _send(response, shaper.events(chunk))
-            await _send(response, shaper.closing())
+                    await _send(response, shaper.events(chunk), named)
+            await _send(response, shaper.closing(), named)
         except ApiError as exc:  # failed mid-stream: the status line is sent, so report it in-band
-            await response.write(_event(exc.body()))
-        await response.write(b"data: [DONE]\n\n")
+            await _send(response, [shaper.failure(exc)], named)
+        await response.write(shaper.end_of_stream)
         await response.write_eof()
         return response
 
@@ -254,14 +306,18 @@ async def _chunks(call) -> AsyncIterator[pb.GenerationChunk]:
         raise ApiError.from_rpc(exc) from None
 
 
-async def _send(response: web.StreamResponse, events) -> None:
-    data = b"".join(_event(e) for e in events)
+async def _send(response: web.StreamResponse, events: Iterable[dict], named: bool) -> None:
+    """Each event serialized as it is made (a shaper may change its objects after yielding them)."""
+    data = b"".join([_event(e, named) for e in events])
     if data:
         await response.write(data)
 
 
-def _event(payload: dict) -> bytes:
-    return b"data: %s\n\n" % json.dumps(payload).encode()
+def _event(payload: dict, named: bool) -> bytes:
+    """One server-sent event; `named`: with an `event:` line naming its `type`, as the Responses
+    and Messages APIs send them."""
+    data = b"data: %s\n\n" % json.dumps(payload).encode()
+    return b"event: %s\n%s" % (payload["type"].encode(), data) if named else data
 
 
 async def _json_body(request: web.Request):
@@ -272,5 +328,7 @@ async def _json_body(request: web.Request):
         raise ApiError.invalid(f"the body is not valid JSON: {exc}") from None
 
 
-def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status, headers={**exc.headers(), **(headers or {})})
+def error_response(exc: ApiError, request: web.Request, headers: dict[str, str] | None = None) -> web.Response:
+    """`exc` in the shape of the API `request` called."""
+    body = exc.anthropic_body() if request.path.startswith(ANTHROPIC_PATHS) else exc.body()
+    return web.json_response(body, status=exc.status, headers={**exc.headers(), **(headers or {})})

@@ -91,7 +91,8 @@ def chunk_to_proto(request_id: str, chunk: Chunk, token_bytes: Callable[[int], b
     msg = pb.GenerationChunk(request_id=request_id, token_ids=chunk.token_ids, text=chunk.text,
                              finish_reason=chunk.finish_reason or "", index=chunk.index,
                              logprobs=_logprobs_to_proto(chunk.logprobs, token_bytes),
-                             prompt_logprobs=_logprobs_to_proto(chunk.prompt_logprobs, token_bytes))
+                             prompt_logprobs=_logprobs_to_proto(chunk.prompt_logprobs, token_bytes),
+                             stop_string=chunk.stop_string or "")
     if chunk.usage is not None:
         u = chunk.usage
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
@@ -114,7 +115,8 @@ def chunk_from_proto(msg: pb.GenerationChunk) -> Chunk:
         if msg.HasField("usage") else None
     reason = FinishReason(msg.finish_reason) if msg.finish_reason else None
     return Chunk(list(msg.token_ids), msg.text, reason, usage, index=msg.index,
-                 logprobs=_logprobs_from_proto(msg.logprobs), prompt_logprobs=_logprobs_from_proto(msg.prompt_logprobs))
+                 logprobs=_logprobs_from_proto(msg.logprobs), prompt_logprobs=_logprobs_from_proto(msg.prompt_logprobs),
+                 stop_string=msg.stop_string or None)
 
 
 def _logprobs_from_proto(positions: Iterable[pb.PositionLogprobs]) -> tuple[PositionLogprobs, ...]:
