@@ -340,8 +340,10 @@ class ResponsesShaper:
         }
 
     def _usage(self) -> dict:
+        """The prompt tokens not read from the prefix cache were computed and written to it."""
         usage = self.chat.choices.usage()
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
         return {"input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": usage["prompt_tokens"] - cached},
                 "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"]}
