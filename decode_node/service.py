@@ -12,6 +12,7 @@ import grpc
 from common.engine.generation import Continuation, FinishReason, RequestHandle
 from common.engine.guided import GrammarCompiler
 from common.engine.sampling import SamplingParams
+from common.openai_http.endpoint_metrics import EndpointCounter
 from common.openai_http.gateway_routes import PREFILLER_HEADER
 from common.serving.grpc_status import answered_with_status, to_grpc
 from common.serving.node_rpcs import NodeRpcs
@@ -44,6 +45,7 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         super().__init__(node, draining)
         self._stop = stop
         self.metrics = node.metrics
+        self.http_requests = EndpointCounter(node.metrics.registry)
         self.grammars = GrammarCompiler(node.tokenizer, node.vocab_size)
 
     def _answering(self, context: grpc.ServicerContext, rpc: str):
@@ -90,6 +92,7 @@ class DecodeNodeService(NodeRpcs, duet_pb2_grpc.DecodeNodeServicer):
         received = time.perf_counter()
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         self.node.tracer.event(rid, "received", rpc="Generate")
+        self.http_requests.count(context.invocation_metadata())
         with self._answering(context, "Generate"):
             params = sampling_from_proto(request.sampling, self.node.vocab_size, self.grammars)
             tokens = prompt_token_ids(request, self.node.tokenizer)

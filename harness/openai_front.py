@@ -7,6 +7,7 @@ import openai
 
 from harness.reference import FP32
 
+API_KEYS = ("first-key", "second-key")  # a keyed daemon's --api-key and DUET_API_KEY
 DAEMON_FLAGS = (*FP32, "--transport", "tcp", "--threads", "1", "--kv-pages", "160")
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Name three colours of the rainbow."}]

@@ -98,7 +98,8 @@ def _messages(items: Any) -> list[dict]:
         if kind == "message":
             messages.append(_message(item, name))
         elif kind == "function_call":
-            refuse_unknown_keys(item, {"type", "id", "call_id", "name", "arguments", "status"}, name)
+            # parsed_arguments: the `openai` client's own parse of arguments, sent back with its item
+            refuse_unknown_keys(item, {"type", "id", "call_id", "name", "arguments", "status", "parsed_arguments"}, name)
             call = {"id": _text(item, "call_id", name), "type": "function",
                     "function": {"name": _text(item, "name", name), "arguments": _text(item, "arguments", name)}}
             calls.add(call["id"])
@@ -138,7 +139,7 @@ def _content(content: Any, name: str) -> str:
             if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                 raise ApiError.invalid(f"{name}[{j}] must be an input_text or output_text part (other parts are not "
                                        "supported)", param=f"{name}[{j}]")
-            refuse_unknown_keys(part, {"type", "text", "annotations", "logprobs"}, f"{name}[{j}]")
+            refuse_unknown_keys(part, {"type", "text", "annotations", "logprobs", "parsed"}, f"{name}[{j}]")
             texts.append(part["text"])
         return "".join(texts)
     raise ApiError.invalid(f"{name} must be a string or a list of text parts", param=name)

@@ -23,6 +23,7 @@ from common.errors import RequestError
 from common.openai_http.api_errors import BUSY_RETRY_SECONDS, NOT_READY_RETRY_SECONDS, ApiError
 from common.openai_http.api_keys import ApiKeys
 from common.openai_http import messages_api, responses_api
+from common.openai_http.endpoint_metrics import endpoint_metadata
 from common.openai_http.gateway_routes import POST_PATHS, PREFILLER_HEADER, GatewayRoutes, prefiller_metadata
 from common.openai_http.messages_api import MessagesShaper
 from common.openai_http.request_mapping import Endpoint, MappedRequest, map_request
@@ -243,7 +244,8 @@ class Front:
                            retry_after=self._stays.seconds(held - self.max_generations + 1, held))
 
     async def _generate(self, request: web.Request, mapped: MappedRequest, shaper: AnswerShaper) -> web.StreamResponse:
-        call = self.stub.Generate(self._rendered(mapped), metadata=prefiller_metadata(
+        endpoint = request.path.rstrip("/")
+        call = self.stub.Generate(self._rendered(mapped), metadata=endpoint_metadata(endpoint) + prefiller_metadata(
             request.headers.get(PREFILLER_HEADER)))
         self._generating += 1
         started = time.monotonic()

@@ -23,12 +23,9 @@ from common.serving.prompts import prompt_token_ids
 from decode_node.config import parse_args as decode_node_args
 from protos.duet.v1 import duet_pb2 as pb
 from router.__main__ import parse_args as router_args
-from harness.local_daemons import free_port
-from harness.helpers import Started
 from harness.reference import JSON_PROMPTS, REFERENCE_PROMPTS
-from harness.openai_front import DAEMON_FLAGS, Front
+from harness.openai_front import API_KEYS as KEYS
 
-KEYS = ("first-key", "second-key")  # --api-key and DUET_API_KEY
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -180,23 +177,6 @@ def test_api_keys_compare_in_constant_time_and_stay_secret():
     for parse in (decode_node_args, router_args):  # a key guards the HTTP API only
         with pytest.raises(SystemExit):
             parse(["--api-key", "k1"])
-
-
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
-    """A prefill node and a decode node handing prompts to it, the decode node serving HTTP under
-    two API keys (one by flag, one by DUET_API_KEY), and a router over them serving HTTP too."""
-    tmp = tmp_path_factory.mktemp("openai_tools")
-    port, router_port = free_port(), free_port()
-    with Started(tmp) as s:
-        pn = s.spawn("prefill_node", *DAEMON_FLAGS)
-        dn = s.spawn("decode_node", *DAEMON_FLAGS, "--prefill", pn.address, "--min-remote-prefill-tokens", "8",
-                     "--openai-port", str(port), "--api-key", KEYS[0], env={ENV_VAR: KEYS[1]})
-        s.wait()
-        rt = s.spawn("router", "--decode", dn.address, "--prefill", pn.address, "--poll-seconds", "0.2",
-                     "--openai-port", str(router_port), "--api-key", KEYS[0])
-        s.wait()
-        yield dn, rt, Front(port, api_key=KEYS[0]), Front(router_port, api_key=KEYS[0])
 
 
 def _status(url: str, key: str | None, body: dict | None = None) -> tuple[int, dict, str | None]:
