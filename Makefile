@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_contention
 	$(PY) -m scripts.bench_kv_tiers
 	$(PY) -m scripts.bench_burst --output docs/bench/burst.json
+	$(PY) -m scripts.agent_prefix_cache
 
 # duet side by side with vLLM's CPU engine (installed into .venv-peer on first use; not part of
 # `make test`): one table with duet / vLLM ratios, docs/bench/peer.json and peer.png.
