@@ -59,7 +59,7 @@ def main() -> None:
                 results[mode] = conversation(client, model, args.turns)
     rows = [[str(turn + 1), str(strip[0]), f"{strip[1]} ({strip[1] / strip[0]:.0%})", f"{strip[2]:.2f}",
              f"{keep[1]} ({keep[1] / keep[0]:.0%})", f"{keep[2]:.2f}"]
-            for turn, (strip, keep) in enumerate(zip(results["strip"], results["keep"]))]
+            for turn, (strip, keep) in enumerate(zip(results["strip"], results["keep"], strict=True))]
     header = ["turn", "prompt tokens (strip)", "cached: strip", "seconds: strip", "cached: keep", "seconds: keep"]
     print("\n".join(text_table(header, rows, ">" * len(header))))
 

@@ -84,6 +84,13 @@ class ApiError(Exception):
         return {"type": "error", "error": {"type": kind, "message": str(self)}}
 
 
+def named_items(value: object, name: str, need: str, non_empty: bool = False) -> list[tuple[str, object]]:
+    """The list `value` as (`name[i]`, item) pairs; a 400 saying it must be `need` otherwise."""
+    if not isinstance(value, list) or (non_empty and not value):
+        raise ApiError.invalid(f"{name} must be {need}", param=name)
+    return [(f"{name}[{i}]", item) for i, item in enumerate(value)]
+
+
 def refuse_unknown_keys(value: dict, keys: set[str], name: str) -> None:
     """A 400 naming the first key of the object `name` that is not among `keys`."""
     for key in value:

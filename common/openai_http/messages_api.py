@@ -15,12 +15,11 @@ line, and no turn would find the previous one in the prefix cache. Unless the da
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from common.openai_http.api_errors import ApiError, refuse_unknown_keys
-from common.openai_http.request_mapping import ANY_TEXT, HONOURED, NOTHING, MappedRequest, get_value, \
+from common.openai_http.api_errors import ApiError, named_items, refuse_unknown_keys
+from common.openai_http.request_mapping import HONOURED, NOTHING, MappedRequest, get_value, \
     refuse_unsupported
 from common.openai_http.response_shaping import ResponseShaper
 from protos.duet.v1 import duet_pb2 as pb
@@ -102,12 +101,10 @@ def _system(system: Any, strip_billing_header: bool) -> str:
 
 
 def _messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise ApiError.invalid("messages must be a non-empty list of {role, content} objects", param="messages")
     out: list[dict] = []
     calls: set[str] = set()
-    for i, message in enumerate(messages):
-        name = f"messages[{i}]"
+    for name, message in named_items(messages, "messages", "a non-empty list of {role, content} objects",
+                                     non_empty=True):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise ApiError.invalid(f"{name} must be an object whose role is 'user' or 'assistant'",
                                    param=f"{name}.role")
@@ -195,11 +192,8 @@ def _cache_control(value: Any, name: str) -> None:
 
 def _tools(tools: Any) -> list[dict]:
     """Anthropic's client tools `{name, description, input_schema}` as chat's function tools."""
-    if not isinstance(tools, list):
-        raise ApiError.invalid("tools must be a list of tools", param="tools")
     out = []
-    for i, tool in enumerate(tools):
-        name = f"tools[{i}]"
+    for name, tool in named_items(tools, "tools", "a list of tools"):
         if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or "input_schema" not in tool:
             raise ApiError.invalid(f"{name} must be a client tool {{\"name\", \"description\", \"input_schema\"}} "
                                    "(server tools are not supported)", param=name)

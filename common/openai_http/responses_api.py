@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from common.openai_http.api_errors import ApiError, refuse_unknown_keys
+from common.openai_http.api_errors import ApiError, named_items, refuse_unknown_keys
 from common.openai_http.request_mapping import ANY_TEXT, HONOURED, NOTHING, MappedRequest, get_value, \
     refuse_unsupported
 from common.openai_http.response_shaping import ResponseShaper
@@ -86,12 +86,9 @@ def _messages(items: Any) -> list[dict]:
     """`input`: a string (one user message) or a list of items, in order."""
     if isinstance(items, str) and items:
         return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise ApiError.invalid("input must be a non-empty string or a non-empty list of items", param="input")
     messages: list[dict] = []
     calls: set[str] = set()
-    for i, item in enumerate(items):
-        name = f"input[{i}]"
+    for name, item in named_items(items, "input", "a non-empty string or a non-empty list of items", non_empty=True):
         if not isinstance(item, dict):
             raise ApiError.invalid(f"{name} must be an object", param=name)
         kind = item.get("type", "message")
@@ -154,11 +151,8 @@ def _text(item: dict, key: str, name: str) -> str:
 
 def _tools(tools: Any) -> list[dict]:
     """Responses' function tools `{type, name, description, parameters, strict}` as chat's."""
-    if not isinstance(tools, list):
-        raise ApiError.invalid("tools must be a list of function tools", param="tools")
     out = []
-    for i, tool in enumerate(tools):
-        name = f"tools[{i}]"
+    for name, tool in named_items(tools, "tools", "a list of function tools"):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise ApiError.invalid(f"{name} must be a function tool {{\"type\": \"function\", \"name\": ...}} (only "
                                    "function tools are supported)", param=name)

@@ -1,17 +1,16 @@
 """The APIs coding agents speak, driven by their own clients against a real prefill + decode pair
-and a router: OpenAI's Responses (`openai` package, and the OpenAI Agents SDK on its Responses
-model) and Anthropic's Messages (`anthropic` package). Greedy text equals the chat completion of
-the same conversation; tools round-trip; an agent's next turn is read from the prefix cache."""
+and a router: OpenAI's Responses (the `openai` package; the Agents SDK's Responses model is in
+tests/http/test_openai_tools.py) and Anthropic's Messages (the `anthropic` package). Greedy text
+equals the chat completion of the same conversation; tools round-trip; an agent's next turn is
+read from the prefix cache."""
 from __future__ import annotations
 
 import json
 import urllib.error
 import urllib.request
 
-import agents
 import anthropic
 import jsonschema
-import openai
 import pytest
 
 from harness.openai_front import API_KEYS, MESSAGES
@@ -58,6 +57,23 @@ def test_greedy_text_equals_the_chat_completion(front, model_name):
     assert answer.content[0].text == chat and answer.stop_reason == "max_tokens"
     with client.messages.stream(**message) as events:
         assert events.get_final_text() == chat
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stop_sequence_that_ended_a_message_is_named(keyed, model_name, stream):
+    node = keyed[2]
+    chat = node.client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                               temperature=0).choices[0].message.content
+    word = chat.split()[2]
+    request = dict(model=model_name, system=MESSAGES[0]["content"], max_tokens=MAX_TOKENS, stop_sequences=[word],
+                   messages=[{"role": "user", "content": MESSAGES[1]["content"]}], extra_body={"temperature": 0})
+    if stream:
+        with _anthropic(node).messages.stream(**request) as events:
+            answer = events.get_final_message()
+    else:
+        answer = _anthropic(node).messages.create(**request)
+    assert (answer.stop_reason, answer.stop_sequence) == ("stop_sequence", word)
+    assert answer.content[0].text == chat[:chat.index(word)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -148,27 +164,6 @@ def test_an_agents_next_turn_is_read_from_the_prefix_cache(keyed, model_name):
                      {"role": "user", "content": "And three more."}]
     second = turn("b2")
     assert first_prompt > 300 and second.usage.cache_read_input_tokens > 0.8 * first_prompt
-
-
-def test_an_openai_agents_sdk_agent_runs_on_the_responses_model(keyed, model_name):
-    """The Agents SDK's default model speaks Responses: a one-tool task, the tool called first."""
-    node = keyed[2]
-    agents.set_tracing_disabled(True)
-    asked = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city now."""
-        asked.append(city)
-        return json.dumps({"temperature": 18, "sky": "sunny"})
-
-    client = openai.AsyncOpenAI(base_url=f"{node.url}/v1", api_key=API_KEYS[1], max_retries=0, timeout=120)
-    agent = agents.Agent(name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
-                         model=agents.OpenAIResponsesModel(model=model_name, openai_client=client),
-                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=100))
-    result = agents.Runner.run_sync(agent, ASK, max_turns=3)
-    assert asked and asked[0]
-    assert isinstance(result.final_output, str) and result.final_output.strip()
 
 
 @pytest.mark.parametrize("path, body, status, param", [

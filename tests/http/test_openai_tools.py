@@ -257,9 +257,11 @@ def test_forced_calls_validate_over_the_reference_prompts(keyed, model_name):
             assert [c.function.name for c in answer.message.tool_calls] == ["add_person"]
 
 
-def test_an_openai_agents_sdk_agent_completes_a_one_tool_task(keyed, model_name):
-    """The OpenAI Agents SDK's Runner, on its Chat Completions model, against the decode node:
-    the first turn must call the tool (the SDK then resets tool_choice), the next answers."""
+@pytest.mark.parametrize("sdk_model", [agents.OpenAIChatCompletionsModel, agents.OpenAIResponsesModel])
+def test_an_openai_agents_sdk_agent_completes_a_one_tool_task(keyed, model_name, sdk_model):
+    """The OpenAI Agents SDK's Runner against the decode node, on its Chat Completions model and
+    on its default, the Responses model: the first turn must call the tool (the SDK then resets
+    tool_choice), the next answers."""
     _, _, node, _ = keyed
     agents.set_tracing_disabled(True)
     asked = []
@@ -272,7 +274,7 @@ def test_an_openai_agents_sdk_agent_completes_a_one_tool_task(keyed, model_name)
 
     client = openai.AsyncOpenAI(base_url=f"{node.url}/v1", api_key=KEYS[1], max_retries=0, timeout=120)
     agent = agents.Agent(name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
-                         model=agents.OpenAIChatCompletionsModel(model=model_name, openai_client=client),
+                         model=sdk_model(model=model_name, openai_client=client),
                          model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=100))
     result = agents.Runner.run_sync(agent, ASK[0]["content"], max_turns=3)
     assert asked and asked[0]
