@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.duet-installed
 
-.PHONY: run test bench bench-peer chaos install clean gpu-check
+.PHONY: run test bench bench-peer chaos fuzz install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ bench-peer: $(STAMP)
 # (scripts/chaos_load.py, needs root for network namespaces): goodput faulted / fault-free.
 chaos: $(STAMP)
 	$(PY) -m scripts.chaos $(ARGS)
+
+# The parsers that take bytes from outside, fuzzed (not part of `make test`, which replays the
+# corpus and runs a smoke): coverage-guided with atheris, each target for --seconds (default 180;
+# ARGS="--seconds N TARGET ..."), then the HTTP bodies by their grammar with Hypothesis's `fuzz`
+# profile (DUET_FUZZ_EXAMPLES examples). Findings go to .fuzz/findings (scripts/fuzz.py).
+fuzz: $(STAMP)
+	$(PY) -m scripts.fuzz $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/fuzz/test_fuzz_http_bodies.py --hypothesis-profile fuzz
 
 # On a machine with an NVIDIA GPU: kernels, bf16 engine vs transformers, VRAM pools over NIXL, KV
 # bandwidth (docs/gpu.md). The script picks or prepares a Python whose torch sees the GPU.

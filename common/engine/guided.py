@@ -18,7 +18,7 @@ import llguidance
 import numpy as np
 import torch
 
-from common.engine.json_grammar import json_schema_grammar
+from common.engine.json_grammar import json_schema_grammar, unpanicked
 from common.model.tokenizer import Tokenizer
 
 MAX_GRAMMAR_CHARS = 100_000
@@ -107,14 +107,15 @@ class GrammarCompiler:
             source = json_schema_grammar({"type": "object"})
         elif kind == "regex":
             _check_size(spec.value, "guided.regex")
-            source = llguidance.LLMatcher.grammar_from_regex(spec.value)
+            source = unpanicked(lambda: llguidance.LLMatcher.grammar_from_regex(spec.value))
         else:
             choices = list(spec.value)
             if not choices or any(c == "" for c in choices):
                 raise ValueError("guided.choice needs at least one non-empty string")
             _check_size(json.dumps(choices), "guided.choice")
-            source = llguidance.grammar_from("choice", json.dumps(choices))
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self._lltokenizer)
+            source = unpanicked(lambda: llguidance.grammar_from("choice", json.dumps(choices)))
+        is_error, messages = unpanicked(
+            lambda: llguidance.LLMatcher.validate_grammar_with_warnings(source, self._lltokenizer))
         if is_error:
             raise ValueError(f"guided.{kind} is not a usable grammar: {messages[0]}")
         return Grammar(source, self._lltokenizer, spec)

@@ -20,6 +20,7 @@ from gguf.quants import quant_shape_to_byte_shape
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")  # a string's byte count, before its bytes
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 # Scalar value types: struct format, numpy dtype.
 _SCALARS: dict[int, tuple[str, str]] = {
     0: ("B", "u1"), 1: ("b", "i1"), 2: ("H", "<u2"), 3: ("h", "<i2"), 4: ("I", "<u4"), 5: ("i", "<i4"),
@@ -49,17 +50,22 @@ class GgufFile:
         self._offset = 0
         if self._buf[:4] != _MAGIC:
             raise ValueError(f"{path}: not a GGUF file")
-        version, tensor_count, kv_count = self._unpack("<4xIQQ")
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version}")
-        self.fields: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key = self._string()
-            self.fields[key] = self._value(self._unpack("<I")[0])
-        infos = [self._tensor_info() for _ in range(tensor_count)]
-        alignment = int(self.fields.get("general.alignment", 32))
-        data_start = -(-self._offset // alignment) * alignment
-        self.tensors = [self._tensor(data_start, *info) for info in infos]
+        try:
+            version, tensor_count, kv_count = self._unpack("<4xIQQ")
+            if version not in (2, 3):
+                raise ValueError(f"unsupported GGUF version {version}")
+            self.fields: dict[str, Any] = {}
+            for _ in range(kv_count):
+                key = self._string()
+                self.fields[key] = self._value(self._unpack("<I")[0])
+            infos = [self._tensor_info() for _ in range(tensor_count)]
+            alignment = self.fields.get("general.alignment", 32)
+            if type(alignment) is not int or alignment < 1:
+                raise ValueError(f"general.alignment must be a positive integer, got {alignment!r}")
+            data_start = -(-self._offset // alignment) * alignment
+            self.tensors = [self._tensor(data_start, *info) for info in infos]
+        except (struct.error, ValueError, KeyError, OverflowError) as exc:  # sizes and offsets past the file's end
+            raise ValueError(f"{path}: not a readable GGUF file: {exc}") from None
 
     def _unpack(self, fmt: str) -> tuple:
         values = struct.unpack_from(fmt, self._buf, self._offset)
@@ -102,6 +108,8 @@ class GgufFile:
     def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()
         (n_dims,) = self._unpack("<I")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions (GGUF allows 1 to {_MAX_DIMS})")
         dims = self._unpack(f"<{n_dims}Q")
         kind, offset = self._unpack("<IQ")
         return name, dims, GGMLQuantizationType(kind), offset

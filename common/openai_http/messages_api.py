@@ -129,7 +129,7 @@ def _user_blocks(blocks: list, name: str, calls: set[str]) -> list[dict]:
         if isinstance(block, dict) and block.get("type") == "tool_result":
             refuse_unknown_keys(block, {"type", "tool_use_id", "content", "is_error", _CACHE_CONTROL}, at)
             call_id = block.get("tool_use_id")
-            if call_id not in calls:
+            if not isinstance(call_id, str) or call_id not in calls:
                 raise ApiError.invalid(f"{at}.tool_use_id {call_id!r} answers no tool_use block before it",
                                        param=f"{at}.tool_use_id")
             result = block.get("content", "")
@@ -210,7 +210,7 @@ def _tool_choice(choice: Any) -> dict:
     """`{"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}` -> chat's
     `tool_choice` and `parallel_tool_calls`."""
     kinds = {"auto": "auto", "any": "required", "none": "none", "tool": None}
-    if not isinstance(choice, dict) or choice.get("type") not in kinds:
+    if not isinstance(choice, dict) or not isinstance(choice.get("type"), str) or choice["type"] not in kinds:
         raise ApiError.invalid("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type")
     refuse_unknown_keys(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
     chat: dict[str, Any] = {"tool_choice": kinds[choice["type"]] or {"type": "function",

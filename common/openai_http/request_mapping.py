@@ -199,11 +199,11 @@ def _set_prompt(request: pb.GenerateRequest, body: dict) -> None:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) and 0 <= t < 2**31 for t in prompt):
         request.token_ids.extend(prompt)
     else:
-        raise ApiError.invalid("prompt must be a non-empty string or a non-empty list of token ids",
-                               param="prompt")
+        raise ApiError.invalid("prompt must be a non-empty string or a non-empty list of token ids (integers "
+                               "from 0)", param="prompt")
 
 
 def _stop_strings(body: dict) -> list[str]:

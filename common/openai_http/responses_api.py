@@ -120,7 +120,8 @@ def _messages(items: Any) -> list[dict]:
 
 def _message(item: dict, name: str) -> dict:
     refuse_unknown_keys(item, {"type", "id", "role", "content", "status"}, name)
-    role = _ROLES.get(item.get("role"))
+    role = item.get("role")
+    role = _ROLES.get(role) if isinstance(role, str) else None
     if role is None:
         raise ApiError.invalid(f"{name}.role must be one of {', '.join(_ROLES)}", param=f"{name}.role")
     return {"role": role, "content": _content(item.get("content"), f"{name}.content")}
