@@ -49,6 +49,7 @@ def test_defaults():
     (["--kv-sliding-pages", "-1"], "--kv-sliding-pages must be >= 0"),
     (["--kv-sliding-pages", "8", "--kv-offload-dir", "/tmp/tier"], "--kv-sliding-pages 0"),
     (["--api-server-count", "0"], "--api-server-count: must be at least 1"),
+    (["--anthropic-billing-header", "drop"], "invalid choice"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -56,12 +57,16 @@ def test_bad_values_are_usage_errors(argv, message, capsys):
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_config_files_api_server_count_is_checked_too(tmp_path, capsys):
+@pytest.mark.parametrize("config_text, message", [
+    ('{"api-server-count": 0}', "--api-server-count must be an integer >= 1"),
+    ('{"anthropic-billing-header": "drop"}', "--anthropic-billing-header must be one of strip, keep"),
+])
+def test_a_config_files_http_front_values_are_checked_too(tmp_path, capsys, config_text, message):
     config = tmp_path / "decode.json"
-    config.write_text('{"api-server-count": 0}')
+    config.write_text(config_text)
     with pytest.raises(SystemExit) as info:
         decode_args(["--config", str(config)])
-    assert info.value.code == 2 and "--api-server-count must be an integer >= 1" in capsys.readouterr().err
+    assert info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_unknown_config_file_key_is_an_error(tmp_path, capsys):
