@@ -13,11 +13,14 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
 from common.engine.guided import GrammarCompiler
 from common.errors import RequestError
+from common.kv.block_hashes import ROOT_HASH, chain_hash
+from common.kv.disk_tier import DiskTier
 from common.kv.segments import MetadataError, Placement, Segments
 from common.model.default_model import default_model_path
 from common.model.gguf_file import GgufFile
@@ -25,6 +28,7 @@ from common.model.tokenizer import load_tokenizer
 from common.openai_http import messages_api, responses_api
 from common.openai_http.api_errors import ApiError
 from common.openai_http.request_mapping import Endpoint, map_request
+from common.peers.kv_index import KvIndex
 from common.serving.rpc_convert import continuation_from_proto, sampling_from_proto
 from protos.duet.v1 import duet_pb2 as pb
 
@@ -104,9 +108,40 @@ def _gguf(data: bytes) -> None:
             GgufFile(f.name)
 
 
+TIER_FINGERPRINT = "fuzz-model"
+TIER_TOKENS = tuple(range(100, 116))
+TIER_BLOCK = chain_hash(ROOT_HASH, TIER_TOKENS)
+TIER_PAYLOAD = 64
+
+
+def _disk_tier_file(data: bytes) -> None:
+    """A page file in the disk tier's directory (shared storage, a crash mid-write): the tier
+    opens over it and reads it back; a bad file is counted and deleted, never an error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = DiskTier(Path(tmp), 1 << 20, TIER_FINGERPRINT, TIER_PAYLOAD).directory
+        (directory / f"{TIER_BLOCK:016x}.kv").write_bytes(data)
+        tier = DiskTier(Path(tmp), 1 << 20, TIER_FINGERPRINT, TIER_PAYLOAD)
+        tier.read(TIER_BLOCK, TIER_TOKENS)
+
+
+def _kv_events(data: bytes) -> None:
+    """A node's WatchKvEvents stream as the router's index applies it (each event its length,
+    one byte, then its bytes), then the index asked where a prompt's blocks are."""
+    index, at = KvIndex(), 0
+    while at < len(data):
+        length = data[at]
+        index.apply("node", pb.KvEvent.FromString(data[at + 1:at + 1 + length]))
+        at += 1 + length
+    prompt = list(range(64))
+    index.note_routed("node", prompt)
+    index.cached_tokens(["node"], prompt)
+
+
 TARGETS = {t.name: t for t in (
     Target("http_body", _http_body, ()),
     Target("kv_metadata", _kv_metadata, ()),
     Target("generate_request", _generate_request, (DecodeError, RequestError)),
     Target("gguf", _gguf, (ValueError,)),
+    Target("disk_tier_file", _disk_tier_file, ()),
+    Target("kv_events", _kv_events, (DecodeError,)),
 )}

@@ -45,10 +45,13 @@ class KvIndex:
 
     def apply(self, address: str, event: pb.KvEvent) -> bool:
         """Apply one event from `address`'s stream; False (nothing applied) when it does not
-        follow what was applied before, so the node must be resynced."""
+        follow what was applied before, or its snapshot names no usable block size, so the node
+        must be resynced."""
         with self._lock:
             node = self._nodes.get(address)
             if event.snapshot and not event.medium:
+                if event.block_size < 1:
+                    return False
                 self._nodes[address] = _NodeBlocks(event.incarnation, event.sequence, event.block_size,
                                                    set(event.stored_blocks))
                 self._block_sizes[address] = event.block_size
