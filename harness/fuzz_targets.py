@@ -24,6 +24,7 @@ from common.kv.disk_tier import DiskTier
 from common.kv.segments import MetadataError, Placement, Segments
 from common.model.default_model import default_model_path
 from common.model.gguf_file import GgufFile
+from common.model.hf_loader import config_from_json
 from common.model.tokenizer import load_tokenizer
 from common.openai_http import messages_api, responses_api
 from common.openai_http.api_errors import ApiError
@@ -99,6 +100,11 @@ def _generate_request(data: bytes) -> None:
         continuation_from_proto(request.continuation, params, VOCAB)
 
 
+def _hf_config(data: bytes) -> None:
+    """A Hugging Face model directory's config.json: a model config, or a ValueError."""
+    config_from_json(data.decode("utf-8", "replace"))
+
+
 def _gguf(data: bytes) -> None:
     """A GGUF file: read, or refused with a ValueError naming it."""
     with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
@@ -142,6 +148,7 @@ TARGETS = {t.name: t for t in (
     Target("kv_metadata", _kv_metadata, ()),
     Target("generate_request", _generate_request, (DecodeError, RequestError)),
     Target("gguf", _gguf, (ValueError,)),
+    Target("hf_config", _hf_config, (ValueError,)),
     Target("disk_tier_file", _disk_tier_file, ()),
     Target("kv_events", _kv_events, (DecodeError,)),
 )}

@@ -13,6 +13,12 @@ from common.model.config import ModelConfig, MoeConfig
 from common.model.family import MULTIMODAL, canonical_tensors, family_of
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# The most a config.json may declare of each size: beyond any released model, so that a
+# malformed or hostile file is refused before anything is sized by it.
+SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+               "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096, "vocab_size": 1 << 23,
+               "max_position_embeddings": 1 << 26, "num_local_experts": 4096, "num_experts": 4096,
+               "moe_intermediate_size": 1 << 20, "num_experts_per_tok": 4096, "decoder_sparse_step": 1024}
 
 
 def _rope(params: dict, fallback_theta: float) -> tuple[float, dict | None]:
@@ -73,8 +79,37 @@ def _text_model(raw: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict
     return text, renamed
 
 
+def config_from_json(text: str) -> ModelConfig:
+    """The ModelConfig of a config.json's text; ValueError says what is wrong with it."""
+    try:
+        raw = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep to read") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise ValueError("a config must be a JSON object with a model_type string")
+    if not isinstance(raw.get("text_config", {}), dict):
+        raise ValueError("text_config must be an object")
+    return model_config(_text_model(raw, {})[0])
+
+
 def model_config(raw: dict) -> ModelConfig:
-    """The ModelConfig of a config.json (of a text model; see _text_model)."""
+    """The ModelConfig of a config.json (of a text model; see _text_model); ValueError says what
+    a malformed one lacks or holds wrong."""
+    if not isinstance(raw, dict):
+        raise ValueError("a config must be a JSON object")
+    for key, limit in SIZE_LIMITS.items():
+        value = raw.get(key)
+        if value is not None and (type(value) is not int or not 1 <= value <= limit):
+            raise ValueError(f"{key} must be an integer from 1 to {limit}, got {value!r}")
+    try:
+        return _model_config(raw)
+    except KeyError as exc:
+        raise ValueError(f"the config lacks {exc}") from None
+    except (TypeError, ArithmeticError, IndexError, AttributeError, RuntimeError) as exc:  # wrong kinds, sizes that disagree
+        raise ValueError(f"the config holds a value of the wrong kind ({type(exc).__name__}: {exc})") from None
+
+
+def _model_config(raw: dict) -> ModelConfig:
     model_type = raw.get("model_type")
     family = family_of(model_type)
     raw = family.config_defaults | raw
@@ -132,8 +167,12 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
-    raw = json.loads(config_file.read_text())
-    family_of(MULTIMODAL.get(raw.get("model_type"), raw.get("model_type")))  # refuse before reading weights
+    text = config_file.read_text()
+    try:  # refused before the weights are read
+        config = config_from_json(text)
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: {exc}") from None
+    raw = json.loads(text)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files")
@@ -142,7 +181,6 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
         # Integer tensors (gpt-oss's MXFP4 blocks and scales) stay as they are, for the family to decode.
         tensors.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(f).items()})
     raw, tensors = _text_model(raw, tensors)
-    config = model_config(raw)
     model_hash = hash_files(files)
     # The KV depends on the windows: nodes must agree (the compatibility fingerprint compares the hash).
     if config.sliding_window is not None:

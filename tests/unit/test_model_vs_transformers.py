@@ -65,10 +65,17 @@ def test_tiny_random_hf_models(kind, tmp_path):
     assert engine_greedy(model, ids[:20], 12, page_size=4) == hf_greedy(hf, ids[:20], 12)
 
 
-def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+@pytest.mark.parametrize("config, message", [
+    ('{"model_type": "gpt2"}', "unsupported model_type 'gpt2'"),
+    ('{"model_type": "llama", "num_hidden_layers": 100000000}', "num_hidden_layers must be an integer from 1 to"),
+    ('{"model_type": "llama", "vocab_size": 8}', "the config lacks 'num_attention_heads'"),
+    ('["llama"]', "a JSON object with a model_type string"),
+])
+def test_a_bad_config_json_is_refused_naming_the_file_before_any_weight(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(config)  # and no weights at all: refused before looking for them
+    with pytest.raises(ValueError, match=message) as refused:
         load_checkpoint(tmp_path)
+    assert str(refused.value).startswith(str(tmp_path / "config.json"))
 
 
 @pytest.mark.parametrize("window", [None, 40], ids=["after-cached-prefix", "sliding-window"])
