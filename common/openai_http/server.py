@@ -21,14 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import RequestError
 from common.openai_http.api_errors import BUSY_RETRY_SECONDS, NOT_READY_RETRY_SECONDS, ApiError
-from common.openai_http.api_keys import ApiKeys
 from common.openai_http import messages_api, responses_api
+from common.openai_http.api_keys import ApiKeys
 from common.openai_http.endpoint_metrics import endpoint_metadata
 from common.openai_http.gateway_routes import POST_PATHS, PREFILLER_HEADER, GatewayRoutes, prefiller_metadata
-from common.openai_http.messages_api import MessagesShaper
 from common.openai_http.request_mapping import Endpoint, MappedRequest, map_request
 from common.openai_http.response_shaping import AnswerShaper, ResponseShaper
-from common.openai_http.responses_api import ResponsesShaper
 from common.serving.prompts import prompt_token_ids
 from common.serving.retry_hint import RetryHint
 from protos.duet.v1 import duet_pb2 as pb
@@ -39,7 +37,7 @@ log = logging.getLogger("openai_http")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 HEALTH_TIMEOUT_SECONDS = 2.0
 _ROUTES = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
-ANTHROPIC_PATHS = "/v1/messages"  # its routes answer errors in Anthropic's shape
+ANTHROPIC_PREFIX = "/v1/messages"  # the routes under it answer errors in Anthropic's shape
 
 
 class Front:
@@ -212,14 +210,15 @@ class Front:
         body = await _json_body(request)
         mapped = map_request(Endpoint.CHAT, responses_api.chat_body(body), self.model_names)
         return await self._generate(request, mapped,
-                                    ResponsesShaper(mapped, self.model_name, body, self.tool_call_parser))
+                                    responses_api.ResponsesShaper(mapped, self.model_name, body, self.tool_call_parser))
 
     async def messages_route(self, request: web.Request) -> web.StreamResponse:
         """/v1/messages: the chat request it means, answered as an Anthropic Message."""
         self._admit()
         chat = messages_api.chat_body(await _json_body(request), self.strip_billing_header)
         mapped = map_request(Endpoint.CHAT, chat, self.model_names)
-        return await self._generate(request, mapped, MessagesShaper(mapped, self.model_name, self.tool_call_parser))
+        return await self._generate(request, mapped,
+                                    messages_api.MessagesShaper(mapped, self.model_name, self.tool_call_parser))
 
     async def input_tokens_route(self, request: web.Request) -> web.Response:
         """/v1/responses/input_tokens: the prompt's length, as /v1/responses would render it."""
@@ -332,5 +331,5 @@ async def _json_body(request: web.Request):
 
 def error_response(exc: ApiError, request: web.Request, headers: dict[str, str] | None = None) -> web.Response:
     """`exc` in the shape of the API `request` called."""
-    body = exc.anthropic_body() if request.path.startswith(ANTHROPIC_PATHS) else exc.body()
+    body = exc.anthropic_body() if request.path.startswith(ANTHROPIC_PREFIX) else exc.body()
     return web.json_response(body, status=exc.status, headers={**exc.headers(), **(headers or {})})
