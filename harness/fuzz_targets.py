@@ -52,21 +52,32 @@ class Target:
             pass
 
 
+# Each route that generates, as the HTTP front maps its body (served model "m").
+GENERATING_ROUTES: dict[str, Callable[[object], object]] = {
+    "chat": lambda b: map_request(Endpoint.CHAT, b, "m"),
+    "completions": lambda b: map_request(Endpoint.COMPLETIONS, b, "m"),
+    "responses": lambda b: map_request(Endpoint.CHAT, responses_api.chat_body(b), "m"),
+    "messages": lambda b: map_request(Endpoint.CHAT, messages_api.chat_body(b), "m"),
+}
+
+
+def map_or_refuse(route: str, body: object) -> None:
+    """`body` on `route`: a request, or a 4xx ApiError (swallowed); anything else raises."""
+    try:
+        GENERATING_ROUTES[route](body)
+    except ApiError as exc:
+        if not 400 <= exc.status < 500:
+            raise AssertionError(f"a bad body answered {exc.status}: {exc}") from None
+
+
 def _http_body(data: bytes) -> None:
-    """A JSON body on each route that generates: a 4xx ApiError or a request."""
+    """A JSON body on each route that generates."""
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
         return
-    for map_body in (lambda b: map_request(Endpoint.CHAT, b, "m"),
-                     lambda b: map_request(Endpoint.COMPLETIONS, b, "m"),
-                     lambda b: map_request(Endpoint.CHAT, responses_api.chat_body(b), "m"),
-                     lambda b: map_request(Endpoint.CHAT, messages_api.chat_body(b), "m")):
-        try:
-            map_body(body)
-        except ApiError as exc:
-            if not 400 <= exc.status < 500:
-                raise AssertionError(f"a bad body answered {exc.status}: {exc}") from None
+    for route in GENERATING_ROUTES:
+        map_or_refuse(route, body)
 
 
 def _kv_metadata(data: bytes) -> None:

@@ -248,11 +248,9 @@ class MessagesShaper:
         self.model = model
         self.content: list[dict] = []  # the content blocks, the last one open while streaming
         self._open: dict | None = None
-        self._finish_reason: str | None = None
-        self._stop_string: str | None = None
+        self._finish_reason: str | None = None  # the chat answer's: "tool_calls" when it called tools
 
     def response(self, chunks: Iterable[pb.GenerationChunk]) -> dict:
-        chunks = list(chunks)
         choice = self.chat.response(chunks)["choices"][0]
         message = choice["message"]
         if message.get("content"):
@@ -260,7 +258,7 @@ class MessagesShaper:
         for call in message.get("tool_calls") or ():
             self.content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                                  "input": json.loads(call["function"]["arguments"])})
-        self._ended(choice["finish_reason"], chunks)
+        self._finish_reason = choice["finish_reason"]
         return {**self._message(), "content": self.content, **self._stop(), "usage": self._usage()}
 
     def opening(self) -> Iterator[dict]:
@@ -285,7 +283,7 @@ class MessagesShaper:
                 if arguments:
                     yield self._delta({"type": "input_json_delta", "partial_json": arguments})
             if choice.get("finish_reason"):
-                self._ended(choice["finish_reason"], [chunk])
+                self._finish_reason = choice["finish_reason"]
 
     def closing(self) -> Iterator[dict]:
         yield from self._stop_block()
@@ -310,17 +308,14 @@ class MessagesShaper:
             self._open = None
             yield {"type": "content_block_stop", "index": len(self.content) - 1}
 
-    def _ended(self, finish_reason: str, chunks: Iterable[pb.GenerationChunk]) -> None:
-        self._finish_reason = finish_reason
-        self._stop_string = next((c.stop_string for c in chunks if c.stop_string), None)
-
     def _message(self) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
 
     def _stop(self) -> dict:
         """`stop_reason`: end_turn, max_tokens, stop_sequence (and which) or tool_use."""
-        reason = _STOP_REASONS.get(self._finish_reason) or ("stop_sequence" if self._stop_string else "end_turn")
-        return {"stop_reason": reason, "stop_sequence": self._stop_string if reason == "stop_sequence" else None}
+        stop_string = self.chat.choices.stop_strings[0]
+        reason = _STOP_REASONS.get(self._finish_reason) or ("stop_sequence" if stop_string else "end_turn")
+        return {"stop_reason": reason, "stop_sequence": stop_string if reason == "stop_sequence" else None}
 
     def _usage(self) -> dict:
         """Anthropic counts prompt tokens read from the cache apart from `input_tokens`."""

@@ -25,6 +25,7 @@ class Choices:
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.logprobs: list[list[pb.PositionLogprobs]] = [[] for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
+        self.stop_strings: list[str | None] = [None] * n  # the stop string that ended each, if one did
         self.node_usage = pb.Usage()
         self.prompt_logprobs: list[pb.PositionLogprobs] = []  # every choice shares the prompt
 
@@ -38,6 +39,7 @@ class Choices:
         self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason:
             self.finish_reasons[chunk.index] = chunk.finish_reason
+            self.stop_strings[chunk.index] = chunk.stop_string or None
         if chunk.HasField("usage"):
             self.node_usage = chunk.usage
 

@@ -13,7 +13,7 @@ refused by name.
 """
 from __future__ import annotations
 
-import json
+import copy
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -270,14 +270,15 @@ class ResponsesShaper:
             yield from self._close()
             yield from self._open_item(self._message_item("", "in_progress"))
             yield self._event("response.content_part.added", **self._at(), content_index=0,
-                              part=self._open["content"][0])
+                              part=copy.deepcopy(self._open["content"][0]))  # the open part keeps growing
         self._open["content"][0]["text"] += text
         yield self._event("response.output_text.delta", **self._at(), content_index=0, delta=text, logprobs=[])
 
     def _open_item(self, item: dict) -> Iterator[dict]:
         self._open = item
         self.output.append(item)
-        yield self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+        yield self._event("response.output_item.added", output_index=len(self.output) - 1,
+                          item=copy.deepcopy(item))  # the open item keeps growing
 
     def _close(self) -> Iterator[dict]:
         item, self._open = self._open, None
@@ -300,7 +301,7 @@ class ResponsesShaper:
     def _event(self, kind: str, **fields: Any) -> dict:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        return json.loads(json.dumps(event))  # a snapshot: open items keep growing after it is sent
+        return event
 
     # ---- the pieces ----
 
