@@ -177,12 +177,14 @@ def test_an_agents_next_turn_is_read_from_the_prefix_cache(keyed, model_name):
      "input[0].call_id"),
     ("/v1/responses", {"input": "word " * 9000}, 400, None),
     ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ("/v1/messages/count_tokens", {"messages": []}, 400, "messages"),
+    ("/v1/responses/input_tokens", {"input": [{"type": "reasoning"}]}, 400, "input[0].type"),
 ])
 def test_bad_input_gets_the_apis_own_error_and_the_node_serves_on(keyed, model_name, path, body, status, param):
     node = keyed[2]
     code, answer = _post(node.url + path, body)
     assert code == status
-    if path == "/v1/messages":  # Anthropic's shape, which names no field: the message does
+    if path.startswith("/v1/messages"):  # Anthropic's shape, which names no field: the message does
         assert answer["type"] == "error" and answer["error"]["type"] in ("invalid_request_error", "not_found_error")
         assert param is None or param.split(".")[-1] in answer["error"]["message"]
     else:
