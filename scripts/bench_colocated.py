@@ -1,11 +1,11 @@
-"""Long-context serving on one host, the setups of issue #17: a decode node alone, and a prefill
+"""Long-context serving on one host: a decode node alone, and a prefill
 node plus a decode node started with default flags on the same cores (both see every core).
 
 Workload: random-token prompts of `--input-len` tokens (default 1000), `--output-len` output
 tokens (default 64, EOS ignored), `--concurrency` requests in flight (default 4), the same prompts
 for every setup. Prints ITL p50/p99, TTFT p50 and output tokens/s per setup; `--json FILE` writes
 them; `--profile DIR` writes where each daemon's threads spent their time. `--setups` picks
-the setups, `pinned` being the hand-placed one of the issue's table (prefill node on core 0,
+the setups, `pinned` being placement by hand (prefill node on core 0,
 decode node on core 1, one thread each). `--node-flags` passes extra flags to both daemons.
 
 Usage: python -m scripts.bench_colocated [--num-requests N] [--setups ...] [--json FILE]
@@ -45,7 +45,7 @@ def run_setup(name: str, tmp: Path, args: argparse.Namespace) -> dict[str, float
         elif name == "prefill+decode":
             pn = stack.enter_context(prefill_node(tmp, *flags, profile=profiles["prefill"]))
             dn = stack.enter_context(decode_node(tmp, "--prefill", pn.address, *flags, profile=profiles["decode"]))
-        else:  # pinned by hand, as in the issue's table
+        else:  # pinned by hand: prefill node on core 0, decode node on core 1
             pn = stack.enter_context(prefill_node(tmp, "--threads", "1", *flags, cpus={0}, profile=profiles["prefill"]))
             dn = stack.enter_context(decode_node(tmp, "--threads", "1", "--prefill", pn.address, *flags, cpus={1},
                                                  profile=profiles["decode"]))

@@ -13,7 +13,7 @@ through each system's OpenAI API; loadgen is the client but in the aiperf case. 
 other prompts, so no case rides on another's prefix cache.
 
 Prints out tok/s, TTFT p50, ITL p50/p99 per case, each system's ratio to its own idle case and
-duet / vLLM; writes docs/bench/contention.json. Goals (issue #42): with one neighbour duet keeps at
+duet / vLLM; writes docs/bench/contention.json. Goals: with one neighbour duet keeps at
 least 0.45x its idle out tok/s and at most 3x its idle ITL p99; under aiperf at least 1.0x vLLM.
 
 Usage: python -m scripts.bench_contention [--systems duet,vllm] [--cases ...] [--requests N]

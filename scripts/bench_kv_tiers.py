@@ -10,10 +10,10 @@ served from its caches (`usage.cached_tokens`: pool or disk) against those it co
 history already seen (loadgen/cacheable.py); and from the tiered node's metrics where the prompt
 tokens came from (`duet_prompt_tokens{source}`) and the read-back time.
 
-Goals (#47): cache-served / cacheable >= 0.8 with the tier against < 0.4 without; TTFT p50 with
+Goals: cache-served / cacheable >= 0.8 with the tier against < 0.4 without; TTFT p50 with
 the tier <= 0.5x without.
 
-The defaults are #47's shape (64 conversations of 2,000 tokens on a 32,000-token pool) scaled to
+The defaults scale the target shape (64 conversations of 2,000 tokens on a 32,000-token pool) to
 what a 2-core CPU prefills below saturation (about 800 prompt tokens/s): 32 conversations of
 1,000 tokens, 0.25 starting per second, on 6,400 tokens. Past saturation both runs queue and TTFT
 measures the queue (docs/bench/kv_tiers.md).

@@ -1,4 +1,4 @@
-"""Live migration's pause against re-prefilling the context, side by side in one run (#28 item 5).
+"""Live migration's pause against re-prefilling the context, side by side in one run.
 
 Two decode nodes started alike on loopback (harness/local_daemons.py): source A and target B.
 For each context length L and each repeat, with a fresh random L-token prompt (so neither node's

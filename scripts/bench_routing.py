@@ -10,8 +10,8 @@ Two scenarios:
   here the difference is mostly where the prompt is prefilled.
 - ``serial``: `--serial-users` conversations, one request in flight at a time (the users' turns
   interleaved): an idle pair of nodes, where load routing takes the nodes in turn and a
-  conversation's next turn usually lands on the node without its history (#29's 0.73 baseline
-  measured this).
+  conversation's next turn usually lands on the node without its history (a cached share of
+  about 0.73 under load routing).
 
 Reported per mode (loadgen's table): TTFT, output tokens/s, prompt tokens the decode nodes served
 from their prefix caches (`usage.cached_tokens`) against those a cache could have served. Both
@@ -21,7 +21,7 @@ long prompt goes to the prefill node even when the decode node holds most of it.
 (on by default), a last run routes the concurrent scenario by prefix while one decode node is
 restarted (SIGTERM, then started again on the same port) in the middle, and counts its failures.
 
-Goals (#29): prefix routing serves >= 0.9x of the cacheable prompt tokens from cache, its TTFT p50
+Goals: prefix routing serves >= 0.9x of the cacheable prompt tokens from cache, its TTFT p50
 is <= 0.6x load routing's, and no request fails across the restart.
 
 Usage: python -m scripts.bench_routing [--scenarios concurrent,serial] [--no-restart] [--output-dir DIR]

@@ -576,7 +576,9 @@ def report(run: Run) -> str:
 
 
 def verdict(run: Run) -> list[str]:
-    """What misses the issue's goals."""
+    """What misses the goals under load: no wrong token, no hung request, no page stranded once idle,
+    >= 99% of the faulted pass completed, every request moved to the other router exact, goodput
+    faulted / fault-free >= 0.9x."""
     faulted = run.passes[1]
     misses = [f"{what}: {n}" for what, n in (("wrong tokens", sum(p.wrong for p in run.passes)),
                                               ("hung requests", sum(p.hung for p in run.passes))) if n]
