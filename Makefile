@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.duet-installed
 
-.PHONY: run test bench bench-peer chaos fuzz install clean gpu-check
+.PHONY: run test bench bench-peer chaos fuzz soak install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ chaos: $(STAMP)
 fuzz: $(STAMP)
 	$(PY) -m scripts.fuzz $(ARGS)
 	$(PY) -m pytest -q -p no:cacheprovider tests/fuzz/test_fuzz_http_bodies.py --hypothesis-profile fuzz
+
+# Both daemons, the router and a mixed load (chat, long prompts through the disk tier, aborts,
+# migrations, prefix fetches) for ARGS="--minutes N" (default 120), sampling every daemon's memory,
+# descriptors, threads, sockets, pages and tier files every 10 s: a verdict on growth over the
+# second half, pages and tokens, with docs/bench/soak.json and soak.png (scripts/soak.py).
+soak: $(STAMP)
+	$(PY) -m scripts.soak $(ARGS)
 
 # On a machine with an NVIDIA GPU: kernels, bf16 engine vs transformers, VRAM pools over NIXL, KV
 # bandwidth (docs/gpu.md). The script picks or prepares a Python whose torch sees the GPU.
