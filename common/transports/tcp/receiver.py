@@ -92,31 +92,37 @@ class TcpReceiver:
             threading.Thread(target=self._serve, args=(conn,), name="tcp-kv-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        fence = None
         try:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.settimeout(BEGIN_TIMEOUT_S)
-                magic, id_len, nonce = wire.recv_struct(conn, wire.BEGIN)
-                if magic != wire.MAGIC or id_len > MAX_REQUEST_ID_BYTES:
-                    raise ValueError("not a duet KV transfer")
-                request_id = bytearray(id_len)
-                wire.recv_exact(conn, memoryview(request_id))
-                try:
-                    window = self._window(request_id.decode(), nonce)
-                except RequestError as exc:
-                    wire.reply(conn, exc.code, str(exc))
-                    return
-                fence = self.fences.raise_fence(window, quarantine=False)
-                conn.settimeout(POLL_S)
-                self._receive_writes(conn, window)
-                wire.reply(conn, ErrorCode.OK, "")
+                self._transfer(conn)
         except Exception as exc:  # a broken sender must not take the receiver down
             log.warning("KV transfer failed", extra={"fields": {"error": str(exc)}})
         finally:
-            if fence is not None:
-                self.fences.lift(fence)
             self._slots.release()
+
+    def _transfer(self, conn: socket.socket) -> None:
+        """One connection's transfer, BEGIN to END, then the reply. A malformed stream raises
+        ValueError (a write outside the window is replied PERMISSION_DENIED first), a stream cut
+        short ConnectionError; an unknown or mismatched window is replied, not raised."""
+        conn.settimeout(BEGIN_TIMEOUT_S)
+        magic, id_len, nonce = wire.recv_struct(conn, wire.BEGIN)
+        if magic != wire.MAGIC or id_len > MAX_REQUEST_ID_BYTES:
+            raise ValueError("not a duet KV transfer")
+        request_id = bytearray(id_len)
+        wire.recv_exact(conn, memoryview(request_id))
+        try:
+            window = self._window(request_id.decode(), nonce)
+        except RequestError as exc:
+            wire.reply(conn, exc.code, str(exc))
+            return
+        fence = self.fences.raise_fence(window, quarantine=False)
+        try:
+            conn.settimeout(POLL_S)
+            self._receive_writes(conn, window)
+            wire.reply(conn, ErrorCode.OK, "")
+        finally:
+            self.fences.lift(fence)
 
     def _receive_writes(self, conn: socket.socket, window: WriteWindow) -> None:
         """Receive frames until END. A host pool's staged frames are scattered on a helper thread
