@@ -21,6 +21,10 @@ from tokenizers import decoders
 from common.model.gguf_tokenizer import read_gguf_tokenizer
 
 
+# What every tokenizer.json must encode and decode, checked at load.
+PROBE_TEXT = "Hello, world! 1 + 1 = 2 \u00e9t\u00e9 \U0001f600 \U0010fffd"
+
+
 class Tokenizer:
     """Encodes without adding BOS/EOS: prompts get their special tokens from the chat template."""
 
@@ -51,11 +55,18 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
-        """A Hugging Face model directory: `tokenizer.json` plus whichever configs are present."""
+        """A Hugging Face model directory: `tokenizer.json` plus whichever configs are present.
+        A file that cannot be read, or holds a value of the wrong kind, is a ValueError naming it."""
         path = Path(path)
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        # tokenizers raises a bare Exception; some files load, then fail on any text (an unk token not in the vocabulary).
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+            backend.decode(backend.encode(PROBE_TEXT, add_special_tokens=False).ids)
+        except Exception as exc:
+            raise ValueError(f"{path / 'tokenizer.json'}: {exc}") from None
         tokenizer_config = _read_json(path / "tokenizer_config.json")
-        configs = [_read_json(path / "generation_config.json"), _read_json(path / "config.json")]
+        configs = {name: _read_json(path / name) for name in ("generation_config.json", "config.json")}
+        vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
         def token_id(name: str) -> int | None:
             """The id of `<name>_token` from tokenizer_config, else `<name>_token_id` from the configs."""
@@ -64,11 +75,14 @@ class Tokenizer:
                 token = token.get("content")
             if isinstance(token, str) and backend.token_to_id(token) is not None:
                 return backend.token_to_id(token)
-            for config in configs:
+            for file, config in configs.items():
                 found = config.get(f"{name}_token_id")
                 if isinstance(found, list):  # several stop ids: the first is the primary one
                     found = found[0] if found else None
                 if found is not None:
+                    if type(found) is not int or not 0 <= found < vocab_size:
+                        raise ValueError(f"{path / file}: {name}_token_id must be a token id below the vocabulary's "
+                                         f"{vocab_size}, got {found!r}")
                     return found
             return None
 
@@ -80,6 +94,9 @@ class Tokenizer:
             chat_template = template_file.read_text()
         else:
             chat_template = tokenizer_config.get("chat_template")
+            if not isinstance(chat_template, str | None):
+                raise ValueError(f"{path / 'tokenizer_config.json'}: chat_template must be a string, got "
+                                 f"{type(chat_template).__name__}")
         return cls(backend, eos_token_id, token_id("bos"), chat_template)
 
     def save_hf(self, out_dir: str | Path, model_max_length: int) -> None:
@@ -174,7 +191,8 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fal
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a `.gguf` file or of a Hugging Face model directory."""
+    """The tokenizer of a `.gguf` file or of a Hugging Face model directory; ValueError when it
+    cannot be read (naming the file)."""
     path = Path(path)
     if path.is_dir():
         return Tokenizer.from_hf_dir(path)
@@ -184,7 +202,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object file's content ({} when there is no such file); ValueError naming it else."""
+    if not path.is_file():
+        return {}
+    try:
+        content = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path}: must hold a JSON object, not {type(content).__name__}")
+    return content
 
 
 def _raise_exception(message: str) -> None:

@@ -24,7 +24,11 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[
     size = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in request.messages)
     if size + sum(len(t.description) + len(t.parameters) for t in request.tools) > MAX_PROMPT_TEXT_CHARS:
         raise InvalidArgument(f"messages and tools are longer than {MAX_PROMPT_TEXT_CHARS} characters")
-    messages, tools = template_inputs(request, tokenizer.takes_tools)
+    try:
+        takes_tools = tokenizer.takes_tools  # parses the template: a model's template may not parse
+    except Exception as exc:
+        raise InvalidArgument(f"the model's chat template does not parse: {exc}") from None
+    messages, tools = template_inputs(request, takes_tools)
     try:
         return tokenizer.encode(tokenizer.apply_chat_template(messages, tools=tools))
     except Exception as exc:  # the template itself may raise on malformed conversations
