@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.duet-installed
 
-.PHONY: run test bench bench-peer chaos fuzz soak install clean gpu-check
+.PHONY: run test test-unit bench bench-peer chaos fuzz soak install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
+
+# The unit tests and the fuzz corpus alone: no daemon is started (a few minutes).
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -x tests/unit tests/fuzz
 
 bench: $(STAMP)
 	$(PY) -m scripts.bench_engine
