@@ -34,10 +34,11 @@ from common.engine.scheduler import Detached, Scheduler
 from common.errors import (ErrorCode, FailedPrecondition, InvalidArgument, NotFound, RequestError, ResourceExhausted,
                            Unavailable)
 from common.kv.segments import slot_range
-from common.node_messages import MigrateResult, ReceiveWindow, SendRequest
+from common.node_messages import MigrateResult, NodeLoad, ReceiveWindow, SendRequest
+from common.peers.decode_client import DecodeClient
 from common.peers.decode_peers import DecodePeer
 from common.peers.hand_off import fill
-from common.peers.kv_writer import KvWriter
+from common.peers.kv_writer import TELL_TIMEOUT_S, KvWriter
 from common.peers.peer_status import STALLED, STREAM_BROKEN
 from common.peers.remote_decode import RemoteDecodeSteps
 from common.serving.grpc_status import error_from_rpc, from_grpc
@@ -48,7 +49,6 @@ from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import LiveRequest, RequestTable, Status
 from protos.duet.v1 import duet_pb2 as pb
-from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +96,15 @@ class Migrations:
         self.lock = self.engine.lock
         self._idle = threading.Condition(self.lock)  # notified when a migration ends
 
-    def target_load(self, target: str) -> pb.NodeLoad:
+    def target_load(self, target: str) -> NodeLoad:
         """The target's load; INVALID_ARGUMENT for a malformed address or this node itself."""
         if not target or ":" not in target:
             raise InvalidArgument(f"target_address {target!r} must be host:port")
         try:
-            with self.writer.tls.channel(target) as channel:
-                load = duet_pb2_grpc.DecodeNodeStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5.0)
-        except grpc.RpcError as exc:
-            raise Unavailable(f"target decode node {target} is unreachable: {exc.details()}") from None
+            with DecodeClient.dial(target, self.writer.tls) as client:
+                load = client.get_load(timeout=5.0)
+        except RequestError as exc:
+            raise Unavailable(f"target {exc} (unreachable)") from None
         if load.incarnation == INCARNATION:
             raise InvalidArgument(f"target_address {target} is this decode node: name another one")
         return load
@@ -189,9 +189,9 @@ class Migrations:
         for position, sample in enumerate(d.samples):
             self._check_aborted(m)
             steps = RemoteDecodeSteps(
-                peer.stub, peer.address, sample_request_id(request_id, sample.index, position), sample.seq.token_ids,
+                peer.client.stub, peer.address, sample_request_id(request_id, sample.index, position), sample.seq.token_ids,
                 sampling, continuation if position == 0 else None, wanted=lambda: not m.aborted,
-                abort=lambda req: self.writer.tell(peer, "Abort", req),
+                abort=lambda rid: self.writer.tell(peer, lambda client: client.abort(rid, TELL_TIMEOUT_S)),
                 # Not waiting in a full target's admission queue: the stream is paused meanwhile.
                 prepare_timeout=min(PREPARE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
             m.targets.append(steps)

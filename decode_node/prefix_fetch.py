@@ -20,24 +20,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from common.engine.attention_window import layer_skips
 from common.engine.core import Engine
 from common.engine.generation import RequestHandle
 from common.engine.sampling import SamplingParams
-from common.errors import FailedPrecondition
+from common.errors import FailedPrecondition, RequestError
 from common.kv.segments import slot_range
 from common.node_messages import PrefixHolder, SendRequest, SendResult
+from common.peers.decode_client import DecodeClient
 from common.peers.kv_writer import KvWriter, check_send_request
 from common.serving.kv_tiers import KvTiers
-from common.serving.rpc_convert import to_proto
 from common.tracing import Tracer
 from common.transports.pieces import transfer_bytes
 from decode_node.config import DecodeNodeConfig
 from decode_node.reservations import Reservations
-from protos.duet.v1 import duet_pb2 as pb
-from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 10.0  # a holder slower than this is given up on: the prefix is computed here
@@ -52,13 +48,13 @@ class PrefixFetch:
     kv_writer: KvWriter
     tracer: Tracer
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
-    _channels: dict[str, grpc.Channel] = field(default_factory=dict, init=False)  # by holder address
+    _clients: dict[str, DecodeClient] = field(default_factory=dict, init=False)  # by holder address
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
 
     # ---- the fetching node ----
 
@@ -73,16 +69,16 @@ class PrefixFetch:
                 or end - cached < self.config.min_remote_prefill_tokens
                 or self.engine.long_rope(len(tokens))):  # `holder` counted short-factor pages, all routers know
             return None, False
-        source = _Holder(self._stub(holder.address), holder.address)
+        source = _Holder(self._client(holder.address))
         return self.reservations.generate_remote(request_id, tokens, params, cancelled, deadline,
                                              source=source, end=end)
 
-    def _stub(self, address: str) -> duet_pb2_grpc.DecodeNodeStub:
+    def _client(self, address: str) -> DecodeClient:
         with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = self.config.tls.channel(address)
-            return duet_pb2_grpc.DecodeNodeStub(channel)
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = DecodeClient.dial(address, self.config.tls)
+            return client
 
     # ---- the holding node ----
 
@@ -123,9 +119,9 @@ class PrefixFetch:
 class _Holder:
     """The holder, as the hand-off calls the node that writes the KV (a PrefillPool's `push`)."""
 
-    def __init__(self, stub: duet_pb2_grpc.DecodeNodeStub, address: str) -> None:
-        self._stub = stub
-        self.address = address
+    def __init__(self, client: DecodeClient) -> None:
+        self._client = client
+        self.address = client.address
 
     def push(self, request: SendRequest, still_wanted: Callable[[], bool] = lambda: True,
              lease_deadline_unix: float | None = None, preferred: str | None = None) -> str | None:
@@ -134,10 +130,10 @@ class _Holder:
         if timeout <= 0 or not still_wanted():
             return None
         try:
-            self._stub.SendPrefix(to_proto(request, pb.RemoteSendRequest), timeout=timeout)
+            self._client.send_prefix(request, timeout)
             return self.address
-        except grpc.RpcError as exc:
+        except RequestError as exc:
             log.info("prefix fetch failed: computing it here", extra={"fields": {
-                "holder": self.address, "request_id": request.request_id, "code": exc.code().name,
-                "details": exc.details()}})
+                "holder": self.address, "request_id": request.request_id, "code": exc.code.name,
+                "details": str(exc)}})
             return None

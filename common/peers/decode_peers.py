@@ -1,19 +1,18 @@
-"""Decode nodes this node writes KV into: gRPC stub plus the transport handshake,
-cached per address and dropped when the peer fails so a restarted peer is re-handshaken."""
+"""Decode nodes this node writes KV into: a client (common/peers/decode_client.py) plus the
+transport handshake, cached per address and dropped when the peer fails so a restarted peer is
+re-handshaken."""
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass
 
-import grpc
-
-from common.errors import FailedPrecondition, InvalidArgument, RequestError, Unavailable
+from common.errors import ErrorCode, FailedPrecondition, InvalidArgument, RequestError, Unavailable
+from common.peers.decode_client import DecodeClient
 from common.serving.tls import TlsFiles
 from common.transports import TransferError
 from common.transports.connector import KvSender
 from protos.duet.v1 import duet_pb2 as pb
-from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +21,12 @@ HANDSHAKE_TIMEOUT_S = 10.0
 
 @dataclass
 class DecodePeer:
-    address: str
-    channel: grpc.Channel
-    stub: duet_pb2_grpc.DecodeNodeStub
+    client: DecodeClient
     info: pb.TransportInfo
+
+    @property
+    def address(self) -> str:
+        return self.client.address
 
 
 class DecodePeers:
@@ -59,7 +60,7 @@ class DecodePeers:
             if peer is not None:
                 log.info("dropping decode peer", extra={"fields": {"decode_address": address}})
                 self._sender.disconnect(address)
-                peer.channel.close()
+                peer.client.close()
 
     def close(self) -> None:
         for address in list(self._peers):
@@ -68,20 +69,18 @@ class DecodePeers:
     def _handshake(self, address: str) -> DecodePeer:
         if not address or ":" not in address:
             raise InvalidArgument(f"decode_address {address!r} must be host:port")
-        channel = self._tls.channel(address)
-        stub = duet_pb2_grpc.DecodeNodeStub(channel)
-        request = pb.GetTransportInfoRequest(fingerprint=self._fingerprint, transport=self._sender.transport,
-                                             writer=self._identity)
+        client = DecodeClient.dial(address, self._tls)
         try:
-            info = stub.GetTransportInfo(request, timeout=HANDSHAKE_TIMEOUT_S)
+            info = client.transport_info(self._fingerprint, self._sender.transport, self._identity,
+                                         HANDSHAKE_TIMEOUT_S)
             self._sender.connect(address, info)
-        except grpc.RpcError as exc:
-            channel.close()
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FailedPrecondition(f"decode node {address}: {exc.details()}") from None
-            raise Unavailable(f"decode node {address} is unreachable: {exc.details()}") from None
+        except RequestError as exc:
+            client.close()
+            if exc.code is ErrorCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(str(exc)) from None
+            raise Unavailable(f"{exc} (unreachable: a handshake needs it to answer)") from None
         except TransferError as exc:
-            channel.close()
+            client.close()
             raise RequestError(f"decode node {address}: {exc}", exc.code) from None
         log.info("handshake done", extra={"fields": {"decode_address": address, "transport": info.transport}})
-        return DecodePeer(address, channel, stub, info)
+        return DecodePeer(client, info)

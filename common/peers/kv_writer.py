@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 
@@ -28,8 +27,8 @@ from common.errors import ErrorCode, FailedPrecondition, InvalidArgument, Reques
 from common.kv.segments import MetadataError, MultiGroupUnreadable, Placement
 from common.model.decoder import DecoderModel
 from common.node_messages import SendRequest
+from common.peers.decode_client import ChannelClosed, DecodeClient
 from common.peers.decode_peers import DecodePeer, DecodePeers
-from common.serving.grpc_status import error_from_rpc
 from common.serving.incarnation import INCARNATION, writer_identity
 from common.serving.tls import TlsFiles
 from common.transports import TransferError
@@ -37,9 +36,9 @@ from common.transports.checksum import kv_checksums
 from common.transports.connector import KvSender, Transfer
 from common.transports.layer_slots import layer_pieces, receiver_layer_slots, sender_layer_slots
 from protos.duet.v1 import duet_pb2 as pb
-from protos.duet.v1 import duet_pb2_grpc
 
 log = logging.getLogger(__name__)
+TELL_TIMEOUT_S = 2.0  # a best-effort word to a decode node (an abandoned transfer, an Abort)
 
 
 def check_send_request(req: SendRequest, model: DecoderModel) -> list[int]:
@@ -133,9 +132,8 @@ class KvWriter:
               on_layer_done: Callable[[int], None] = lambda layer: None) -> OpenTransfer:
         """Be admitted to the reservation (request_id, nonce) at `peer` (BeginTransfer), then open
         the transfer that writes it, to be done by `deadline` (time.monotonic())."""
-        self.call(peer, peer.stub.BeginTransfer, pb.BeginTransferRequest(
-            request_id=request_id, transfer_nonce=nonce, kv_append_metadata=metadata,
-            writer_incarnation=INCARNATION), deadline)
+        self.call(peer, lambda timeout: peer.client.begin_transfer(request_id, nonce, metadata, INCARNATION, timeout),
+                  deadline)
         try:
             transfer = self.sender.open(peer.address, request_id, nonce, max(0.1, deadline - time.monotonic()),
                                         on_layer_done=on_layer_done)
@@ -161,9 +159,8 @@ class KvWriter:
                 # instead of reusing a connection that may still carry this transfer's bytes.
                 self.peers.drop(peer.address)
             raise RequestError(str(exc), exc.code) from None
-        self.call(peer, peer.stub.CompleteTransfer, pb.CompleteTransferRequest(
-            request_id=job.request_id, transfer_nonce=job.nonce,
-            kv_checksums=checksums.result() if checksums else ()), deadline)
+        self.call(peer, lambda timeout: peer.client.complete_transfer(
+            job.request_id, job.nonce, timeout, checksums=checksums.result() if checksums else ()), deadline)
 
     def write(self, peer: DecodePeer, request_id: str, nonce: int, metadata: list[int], src_slots: torch.Tensor,
               deadline: float) -> None:
@@ -186,33 +183,31 @@ class KvWriter:
         if job.transfer.cancel() and self.sender.one_sided:
             self.abandon(job.peer, job.request_id, job.nonce)
 
-    def call(self, peer: DecodePeer, rpc, request, deadline: float) -> None:
-        """One control-plane call to the decode node, within the transfer's deadline; a node
-        that is gone is forgotten, so the next request re-handshakes."""
+    def call(self, peer: DecodePeer, rpc: Callable[[float], None], deadline: float) -> None:
+        """One control-plane call to the decode node (`rpc(timeout)`), within the transfer's
+        deadline; a node that is gone is forgotten, so the next request re-handshakes."""
         try:
-            rpc(request, timeout=max(0.1, deadline - time.monotonic()))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            rpc(max(0.1, deadline - time.monotonic()))
+        except RequestError as exc:
+            if exc.code is ErrorCode.UNAVAILABLE:
                 self.peers.drop(peer.address)
-            raise error_from_rpc(exc, f"decode node {peer.address}") from None
+            raise
 
     def abandon(self, peer: DecodePeer, request_id: str, nonce: int) -> None:
         """Tell the decode node that this failed transfer will write nothing more, so it can
         reuse the pages at once instead of holding them until its --quarantine-seconds pass.
-        Best effort: when the decode node is unreachable, the quarantine ends it. A peer dropped
-        on the way (a failed transfer forgets its endpoint) is told over a channel of its own."""
-        report = pb.CompleteTransferRequest(request_id=request_id, transfer_nonce=nonce, abandoned=True)
+        Best effort: when the decode node is unreachable, the quarantine ends it."""
         try:
-            self.tell(peer, "CompleteTransfer", report)
-        except grpc.RpcError as exc:
+            self.tell(peer, lambda client: client.complete_transfer(request_id, nonce, TELL_TIMEOUT_S, abandoned=True))
+        except RequestError as exc:
             log.info("could not report an abandoned transfer", extra={"fields": {
                 "request_id": request_id, "error": str(exc)}})
 
-    def tell(self, peer: DecodePeer, rpc: str, request, timeout: float = 2.0) -> None:
-        """A short call to `peer` that also works after a failed transfer dropped it (closing its
-        channel): then over a channel of its own. Raises grpc.RpcError."""
+    def tell(self, peer: DecodePeer, rpc: Callable[[DecodeClient], None]) -> None:
+        """A short call to `peer` (`rpc(client)`) that also works after a failed transfer dropped
+        it (closing its channel): then over a channel of its own. Raises RequestError."""
         try:
-            getattr(peer.stub, rpc)(request, timeout=timeout)
-        except ValueError:  # the peer was dropped, its channel closed
-            with self.tls.channel(peer.address) as channel:
-                getattr(duet_pb2_grpc.DecodeNodeStub(channel), rpc)(request, timeout=timeout)
+            rpc(peer.client)
+        except ChannelClosed:
+            with DecodeClient.dial(peer.address, self.tls) as client:
+                rpc(client)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from common.errors import RequestError
 from common.node_messages import ReceiveWindow
 from common.serving.rpc_convert import from_proto
 from protos.duet.v1 import duet_pb2 as pb
@@ -18,19 +19,19 @@ class RemoteDecodeSteps:
 
     `prepare_timeout`: how long PrepareReceive may wait in the node's admission queue (None: the
     call's own deadline). A node without room answers RESOURCE_EXHAUSTED, and `prepare` None.
-    `wanted`: whether the caller still wants the reservation filled. `abort`: how the Abort is
-    sent (a migration's writer reaches a peer whose channel a failed transfer closed).
+    `wanted`: whether the caller still wants the reservation filled. `abort`: how the Abort of a
+    request id is sent (a migration's writer reaches a peer whose channel a failed transfer closed).
     `continuation`: StartGeneration continues a generation in progress (a migrated request)."""
 
     def __init__(self, stub: duet_pb2_grpc.DecodeNodeStub, address: str, request_id: str, tokens: list[int],
                  sampling: pb.SamplingParams, continuation: pb.Continuation | None = None,
                  prepare_timeout: float | None = None, wanted: Callable[[], bool] = lambda: True,
-                 abort: Callable[[pb.AbortRequest], object] | None = None) -> None:
+                 abort: Callable[[str], object] | None = None) -> None:
         self.decode_address = address
         self.request_id = request_id
         self._stub, self._tokens, self._sampling, self._continuation = stub, tokens, sampling, continuation
         self._prepare_timeout, self._wanted = prepare_timeout, wanted
-        self._abort = abort or stub.Abort
+        self._abort = abort or (lambda request_id: stub.Abort(pb.AbortRequest(request_id=request_id)))
         self.reserved = False  # PrepareReceive reserved, and nothing released it since
 
     def prepare(self) -> ReceiveWindow | None:
@@ -54,8 +55,8 @@ class RemoteDecodeSteps:
             return
         self.reserved = False
         try:
-            self._abort(pb.AbortRequest(request_id=self.request_id))
-        except grpc.RpcError:
+            self._abort(self.request_id)
+        except (grpc.RpcError, RequestError):
             pass  # gone, claimed or expired already
 
     def start(self, kv_window_begin: int) -> Iterator[pb.GenerationChunk]:
