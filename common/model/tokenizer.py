@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
-import jinja2
-import jinja2.meta
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders
 
+from common.model.chat_template import ChatTemplate
 from common.model.gguf_tokenizer import read_gguf_tokenizer
 
 
@@ -151,7 +148,7 @@ class Tokenizer:
         """Render a conversation to prompt text, as transformers' `apply_chat_template(tokenize=False)`
         does; `tools` (OpenAI's function tools) reach templates that take them (`takes_tools`)."""
         extra = {} if tools is None else {"tools": tools}
-        return self._compiled_chat_template.render(
+        return self._chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
@@ -162,18 +159,16 @@ class Tokenizer:
     @cached_property
     def takes_tools(self) -> bool:
         """Whether the chat template reads a `tools` variable (renders function definitions itself)."""
-        if not self.chat_template:
-            return False
-        return "tools" in jinja2.meta.find_undeclared_variables(_chat_template_environment().parse(self.chat_template))
+        return bool(self.chat_template) and "tools" in self._chat_template.variables
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.id_to_token(token_id) or ""
 
     @cached_property
-    def _compiled_chat_template(self) -> jinja2.Template:
+    def _chat_template(self) -> ChatTemplate:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; format the prompt yourself")
-        return _chat_template_environment().from_string(self.chat_template)
+        return ChatTemplate(self.chat_template)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -212,29 +207,3 @@ def _read_json(path: Path) -> dict:
     if not isinstance(content, dict):
         raise ValueError(f"{path}: must hold a JSON object, not {type(content).__name__}")
     return content
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson HTML-escapes, which would corrupt prompts.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _chat_template_environment() -> ImmutableSandboxedEnvironment:
-    """The jinja environment transformers renders chat templates in (templates are untrusted code)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
