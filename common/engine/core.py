@@ -97,7 +97,8 @@ class Engine:
                         if sliding_pages else None)
         self.window = AttentionWindow.of(model.config)  # None: full attention, no page is released
         self.kv_events = KvEventLog(page_size)  # what WatchKvEvents streams
-        self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events, self.sliding_window, self.sliding)
+        self.prefix_cache = PrefixCache(self.allocator, page_size, self.kv_events, self.sliding_window, self.sliding,
+                                        self.lock)
         # Longrope: sequences longer than this compute with the long factors (None: no longrope).
         self.long_rope_from = model.config.long_rope_from
 
@@ -123,7 +124,7 @@ class Engine:
 
     @staticmethod
     def cache_salt(long_rope: bool) -> int:
-        """The prefix cache tree (common/kv/prefix_cache.py, "Salted trees") of K/V computed with
+        """The prefix cache tree (common/kv/radix_trie.py, "Salted trees") of K/V computed with
         longrope's long factors (1) or short ones, as every other model's (0)."""
         return LONG_ROPE_SALT if long_rope else 0
 

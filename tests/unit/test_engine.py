@@ -76,6 +76,16 @@ def test_release_caches_full_pages_for_the_next_request(model):
     assert engine.allocator.num_free == 16
 
 
+def test_the_prefix_cache_checks_the_engine_lock(model):
+    """The engine hands the cache its lock: changing the cache without holding it is refused (every
+    other engine test changes it through the engine's `locked` methods, checked too)."""
+    engine = Engine(model, num_pages=4, page_size=16)
+    with pytest.raises(RuntimeError, match="engine lock"):
+        engine.prefix_cache.clear()
+    with engine.lock:
+        engine.prefix_cache.clear()
+
+
 def test_fork_shares_full_pages_and_copies_the_partial_one(model):
     engine = Engine(model, num_pages=16, page_size=16)
     prompt = random_ids(40, 5)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from common.kv.block_hashes import block_hashes
 from common.kv.events import KvEventLog
+from common.kv.eviction_planner import spans_to_free
 from common.kv.page_allocator import OutOfPages, PageAllocator
 from common.kv.prefix_cache import PrefixCache
 
@@ -356,7 +359,7 @@ def test_lru_bookkeeping_stays_bounded_under_repeated_hits() -> None:
     cache_only(cache, list(range(2 * PS)))
     for _ in range(1000):
         allocator.decref(cache.match(list(range(2 * PS)))[0])
-    assert len(cache._heap) <= 2 * cache.num_cached_pages + 64 + 1
+    assert len(cache._trie._heap) <= 2 * cache.num_cached_pages + 64 + 1
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
@@ -624,6 +627,28 @@ def test_allocate_contiguous_takes_the_fewest_runs_when_no_window_exists() -> No
     got = cache.allocate_contiguous(4)
     assert sorted(got) == [0, 3, 4, 5] or sorted(got) == [3, 4, 5, 6]  # two runs, not three
     assert all(allocator.refcount(p) == 1 for p in (1, 2, 7))
+
+
+def test_the_planner_frees_the_least_recent_window_then_the_one_evicting_fewest() -> None:
+    allocator = PageAllocator(8)
+    allocator.allocate(8)
+    allocator.decref([7])  # free; 2, 3 and 4 stay held
+    assert spans_to_free(allocator, {0: 3, 1: 3, 5: 3, 6: 3}, 2) == [(6, 2)]  # one eviction, not two
+    assert spans_to_free(allocator, {0: 1, 1: 1, 5: 3, 6: 3}, 2) == [(0, 2)]  # older K/V, though two
+    assert spans_to_free(allocator, {0: 1}, 3) == []  # three free or evictable pages do not exist
+
+
+def test_a_cache_given_the_engine_lock_is_changed_only_by_its_holder() -> None:
+    lock = threading.RLock()
+    cache = PrefixCache(PageAllocator(4), PS, lock=lock)
+    with pytest.raises(RuntimeError, match="engine lock"):
+        cache.allocate(1)
+    with lock:
+        pages = cache.allocate(1)
+        cache.insert(list(range(PS)), pages)
+    with lock, ThreadPoolExecutor(1) as other:  # held here: another thread is refused
+        assert isinstance(other.submit(cache.clear).exception(), RuntimeError)
+    assert cache.num_cached_pages == 1
 
 
 @settings(max_examples=100, deadline=None)
