@@ -1,6 +1,6 @@
-"""Build of the CPU kernels (cpu/paged_attention.cpp, cpu/bf16_pointwise.cpp; cpu/bf16_linear.cpp
-and cpu/prefill_attention.cpp, registered only where the compiler targets AVX512-BF16;
-cpu/intra_op_threads.cpp) as one torch operator library, at first use.
+"""Build of the CPU kernels (cpu/paged_attention.cpp, cpu/bf16_pointwise.cpp, cpu/gguf_linear.cpp;
+cpu/bf16_linear.cpp and cpu/prefill_attention.cpp, registered only where the compiler targets
+AVX512-BF16; cpu/intra_op_threads.cpp) as one torch operator library, at first use.
 
 The library is compiled once with the system C++ compiler (`$CXX`, default `g++`) against the
 running torch's headers and libraries, for this machine's CPU (`-march=native`), into torch's
@@ -27,7 +27,8 @@ import torch
 from common.kernel_library import KernelLibrary, loaded_and_checked
 
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in (
-    "paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "prefill_attention.cpp", "intra_op_threads.cpp"))
+    "paged_attention.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "prefill_attention.cpp", "intra_op_threads.cpp",
+    "gguf_linear.cpp"))
 HEADERS = (Path(__file__).resolve().parent / "amx_tiles.h",)  # included by the sources: part of the cache key
 LIBRARY = "duet_cpu"
 DISABLE_ENV = "DUET_DISABLE_CPU_KERNELS"  # set to 1 to always use the torch fallback
@@ -93,6 +94,13 @@ def _smoke_test(ops: object) -> None:
             *(t.float().transpose(0, 1) for t in (q, k[[2, 0, 1]], v[[2, 0, 1]])), is_causal=True)
         if not torch.allclose(out.float(), want.transpose(0, 1), atol=atol):
             raise RuntimeError(f"the paged attention kernel returned wrong values in {dtype}")
+    # Q8_0 blocks of scale 0.5 (fp16 0x3800) and integer weights: every product and sum exact.
+    q = torch.randint(-8, 8, (64, 32), generator=gen, dtype=torch.int8)
+    blocks = torch.cat([torch.tensor([0x00, 0x38], dtype=torch.uint8).expand(64, 2), q.view(torch.uint8)], dim=1)
+    x, out = torch.randint(-4, 4, (5, 32), generator=gen).float(), torch.empty(5, 64)
+    ops.gguf_linear(x, blocks.contiguous(), 2, torch.empty(0), out)
+    if not torch.equal(out, x @ (q.float() * 0.5).T):
+        raise RuntimeError("the GGUF linear kernel returned wrong values")
     if has_bf16_linear(ops):
         x, w = torch.randn(3, 32, generator=gen).bfloat16(), torch.randn(64, 32, generator=gen).bfloat16()
         for amx in {False, bool(ops.bf16_linear_amx_available())}:

@@ -17,7 +17,8 @@ from protos.duet.v1 import duet_pb2_grpc
 def start(daemon: GrpcDaemon, config: DecodeNodeConfig) -> DecodeNode:
     config = dataclasses.replace(config, port=daemon.port)  # with --port 0 only the bound port is known
     node = DecodeNode(config, *load_model_and_tokenizer(config.model, config.torch_dtype, config.device,
-                                                          attention_sinks=config.attention_sinks, dtype_flag=config.dtype),
+                                                          attention_sinks=config.attention_sinks, dtype_flag=config.dtype,
+                                                          quantization=config.quantization),
                       on_draining=lambda: daemon.set_ready(False))
     duet_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeService(node, daemon.draining, daemon.request_stop),
                                                    daemon.server)

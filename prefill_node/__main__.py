@@ -15,7 +15,8 @@ from protos.duet.v1 import duet_pb2_grpc
 
 def start(daemon: GrpcDaemon, config: PrefillNodeConfig) -> PrefillNode:
     node = PrefillNode(config, load_model_and_tokenizer(config.model, config.torch_dtype, config.device,
-                                                        attention_sinks=config.attention_sinks, dtype_flag=config.dtype)[0])
+                                                        attention_sinks=config.attention_sinks, dtype_flag=config.dtype,
+                                                        quantization=config.quantization)[0])
     duet_pb2_grpc.add_PrefillNodeServicer_to_server(PrefillNodeService(node, daemon.draining), daemon.server)
     attach_kv_event_publisher(daemon, config, node.engine.kv_events, daemon.port,
                               served_model_name(config.model))

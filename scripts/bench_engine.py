@@ -32,9 +32,13 @@ so it holds up while other processes load the machine; the absolute numbers do n
 Goals (informational; the exit status is 0 either way): decode at batch 8 at most 0.8x
 transformers' step time, prefill at least 1.0x transformers' throughput.
 
+With --quantization, also ours computing the embedded GGUF's own blocks (`--quantization gguf`:
+Q4_1 projections, the tied lm_head in Q8_0) against ours on the dequantized weights, paired the
+same way: decode steps at QUANTIZATION_CASES and a 512-token prefill.
+
 Set DUET_DISABLE_CPU_KERNELS=1 to measure the torch attention fallback instead of the CPU kernel.
 
-Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--dtype auto|float32|bfloat16] [--json FILE]
+Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--dtype auto|float32|bfloat16] [--quantization] [--json FILE]
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ PREFILL_GOAL = 1.0  # ours/theirs tok/s, at least
 DECODE_GOAL = 0.8  # ours/theirs ms/step at batch 8, at most
 DECODE_GOAL_BATCH = 8
 DTYPE_CASE = (1000, 8)  # (context, batch) of the bf16 / fp32 step goal
+QUANTIZATION_CASES = ((1, DECODE_CONTEXT), (4, DECODE_CONTEXT), (8, DECODE_CONTEXT), (8, 1000))  # (batch, context)
 DTYPE_GOAL = 0.6  # bf16 step / fp32 step, at most
 
 
@@ -234,7 +239,27 @@ def dtype_row(ours: DecoderModel, warmup: int, iters: int) -> Row:
     return Row("dtype", bsz, 1e3 * t16, 1e3 * t32, ratio, f"<= {DTYPE_GOAL}x", verdict, context)
 
 
-def run(quick: bool, decode_only: bool = False, dtype: torch.dtype = torch.float32) -> list[Row]:
+def quantization_rows(ours: DecoderModel, dtype: torch.dtype, warmup: int, iters: int) -> list[Row]:
+    """Ours with the GGUF's own blocks (`--quantization gguf`) against ours on the dequantized
+    weights, paired like the ours/theirs rows: decode steps at QUANTIZATION_CASES, a prefill."""
+    kept = DecoderModel(load_checkpoint(default_model_path(), "gguf"), dtype=dtype)
+    rows = []
+    for bsz, context in QUANTIZATION_CASES:
+        t_kept, t_ours, ratio = paired_medians(decode_ours(kept, bsz, context, warmup + iters),
+                                               decode_ours(ours, bsz, context, warmup + iters), warmup, iters)
+        gbs = step_bytes(kept, bsz, context) / t_kept / 1e9
+        rows.append(Row("gguf decode", bsz, 1e3 * t_kept, 1e3 * t_ours, ratio, "", "", context, gbs))
+        print(f"  decode  B={bsz:3d} ctx {context:5d}: gguf {1e3 * t_kept:8.2f} ms/step, none {1e3 * t_ours:8.2f} ms/step",
+              flush=True)
+    prompt = random_prompts(1, 512, ours.config.vocab_size)[0].tolist()
+    t_kept, t_ours, ratio = paired_medians(prefill_ours(kept, prompt), prefill_ours(ours, prompt), 1, 3)
+    rows.append(Row("gguf prefill", 512, 512 / t_kept, 512 / t_ours, 1 / ratio, "", ""))
+    print(f"  prefill  512 tok: gguf {512 / t_kept:8.1f} tok/s, none {512 / t_ours:8.1f} tok/s", flush=True)
+    return rows
+
+
+def run(quick: bool, decode_only: bool = False, dtype: torch.dtype = torch.float32,
+        quantization: bool = False) -> list[Row]:
     prefill_lengths = [] if decode_only else [128, 512] if quick else [128, 512, 2048]
     decode_cases = QUICK_DECODE_CASES if quick else DECODE_CASES
     warmup, iters = (1, 3) if quick else (2, 5)
@@ -272,6 +297,8 @@ def run(quick: bool, decode_only: bool = False, dtype: torch.dtype = torch.float
                   f"transformers {b:8.2f} ms/step", flush=True)
         if dtype == torch.bfloat16:
             rows.append(dtype_row(ours, decode_warmup, decode_iters))
+        if quantization:
+            rows += quantization_rows(ours, dtype, decode_warmup, decode_iters)
     return rows
 
 
@@ -282,17 +309,23 @@ def format_table(rows: list[Row], bandwidth: float) -> str:
             label, ours, theirs = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:.1f}", f"{r.theirs:.1f}"
         elif r.kind == "dtype":
             label, ours, theirs = f"bf16 / fp32 B={r.size}, ctx {r.context}", f"{r.ours:.2f}", f"{r.theirs:.2f}"
+        elif r.kind == "gguf decode":
+            label, ours, theirs = f"gguf / none B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:.2f}", f"{r.theirs:.2f}"
+        elif r.kind == "gguf prefill":
+            label, ours, theirs = f"gguf / none prefill {r.size} tok (tok/s)", f"{r.ours:.1f}", f"{r.theirs:.1f}"
         else:
             label, ours, theirs = f"decode B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:.2f}", f"{r.theirs:.2f}"
         table.append([label, ours, theirs, f"{r.ratio:.3f}x", r.goal, r.verdict])
     lines = text_table(["measure", "ours", "transformers", "ratio", "goal", "result"], table, "<>>><<")
     lines.append("ratio = ours/transformers (median of paired calls); prefill: higher is better, decode: lower;")
     lines.append("the bf16 / fp32 row is ours in bf16 against ours in fp32 (ms/step)")
+    lines.append("gguf / none rows: ours computing the GGUF's blocks (--quantization gguf) against ours on the")
+    lines.append("dequantized weights (the transformers column holds the latter)")
     lines.append("")
     lines.append(f"decode against the copy bandwidth ({bandwidth:.1f} GB/s here): bytes a step reads / step time")
-    decodes = [[f"B={r.size}", f"ctx {r.context}", f"{r.bandwidth:.1f} GB/s",
-                f"{r.bandwidth / bandwidth:.1%} of the limit"] for r in rows if r.kind == "decode"]
-    lines += ["  " + line for line in aligned_rows(decodes, "<<>>")]
+    decodes = [[r.kind, f"B={r.size}", f"ctx {r.context}", f"{r.bandwidth:.1f} GB/s",
+                f"{r.bandwidth / bandwidth:.1%} of the limit"] for r in rows if r.kind.endswith("decode")]
+    lines += ["  " + line for line in aligned_rows(decodes, "<<<>>")]
     return "\n".join(lines)
 
 
@@ -319,6 +352,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurements")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="both sides' dtype; auto = what a daemon's --dtype auto picks here (default)")
+    parser.add_argument("--quantization", action="store_true",
+                        help="also ours with the GGUF's own blocks (--quantization gguf) against ours dequantized")
     args = parser.parse_args()
     dtype = getattr(torch, resolve_dtype("cpu", args.dtype))
 
@@ -326,7 +361,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}; measuring...", flush=True)
     busy_before = busy_fraction()
     bandwidth = copy_bandwidth()
-    rows = run(args.quick, args.decode_only, dtype)
+    rows = run(args.quick, args.decode_only, dtype, args.quantization)
     load_after = os.getloadavg()[0]  # ours counts for up to one per thread
     print()
     print(format_table(rows, bandwidth))

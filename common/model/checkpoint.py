@@ -8,12 +8,13 @@ from pathlib import Path
 import torch
 
 from common.model.config import ModelConfig
+from common.model.gguf_weight import GgufWeight
 
 
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | GgufWeight]  # GgufWeight: a projection kept in its GGUF blocks
     model_hash: str  # sha256 of the weight files, part of the transport compatibility fingerprint
     source: Path
 
@@ -27,8 +28,9 @@ def hash_files(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """A `.gguf` file or a Hugging Face directory (config.json + *.safetensors)."""
+def load_checkpoint(path: str | Path, quantization: str = "none") -> Checkpoint:
+    """A `.gguf` file or a Hugging Face directory (config.json + *.safetensors); `quantization`
+    "gguf" keeps a GGUF's projections in its blocks (common/model/gguf_weight.py)."""
     from common.model.gguf_loader import load_gguf
     from common.model.hf_loader import load_hf_dir
 
@@ -36,5 +38,5 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_dir():
         return load_hf_dir(path)
     if path.suffix == ".gguf":
-        return load_gguf(path)
+        return load_gguf(path, quantization)
     raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model directory")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from common.kv.pool import KVPool
 from common.model.checkpoint import Checkpoint
 from common.model.family import family_of
+from common.model.gguf_weight import GgufWeight
 from common.model.mlp import GatedMlp, MixtureOfExperts
 from common.model.packed_linear import Linear
 from common.model.paged_attention import (AttentionPlan, SequenceSlice, attend, grouped_query_attention, kernel_enabled,
@@ -61,14 +62,16 @@ class DecoderModel:
         self.model_hash = ckpt.model_hash
         self.dtype, self.device = dtype, torch.device(device)
         weights = _Weights(ckpt, dtype, device)
-        self.embed = weights.put(weights.tensors["model.embed_tokens.weight"])
+        embed = weights.tensors["model.embed_tokens.weight"]
+        self.embed = weights.put(embed.dequantized() if isinstance(embed, GgufWeight) else embed)
         # Gemma's factor is rounded to the model dtype first, as transformers does.
         self.embedding_multiplier = (torch.tensor(cfg.embedding_multiplier, dtype=dtype).item()
                                      if family.embedding_scale else cfg.embedding_multiplier)
         self.norm = weights.norm("model.norm.weight")
         # Tied: the packed copy costs the embedding's size again (113 MB for SmolLM2-135M), for the
-        # largest product of every step.
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights.put(weights.tensors["lm_head.weight"]))
+        # largest product of every step; kept in its GGUF blocks, a quarter of that.
+        tied = embed if isinstance(embed, GgufWeight) else self.embed
+        self.lm_head = weights.linear(tied if cfg.tie_word_embeddings else weights.tensors["lm_head.weight"])
         self.layers = [weights.layer(i) for i in range(cfg.num_layers)]
         self.windows = {layer["window"] for layer in self.layers}  # None: full attention
         # A hybrid model's sliding layers, which may keep their K/V in a group of their own.
@@ -250,7 +253,16 @@ class _Weights:
         """One Linear computing the named products side by side (with their biases, when they have them)."""
         biases = [self.tensors.get(f"{name}.bias") for name in names]
         bias = None if biases[0] is None else self.put(torch.cat(biases))
-        return Linear(self.put(torch.cat([self.tensors[f"{name}.weight"] for name in names])), bias)
+        weights = [self.tensors[f"{name}.weight"] for name in names]
+        if all(isinstance(w, GgufWeight) for w in weights):
+            return self.linear(GgufWeight.cat(weights), bias)
+        return self.linear(torch.cat([w.dequantized() if isinstance(w, GgufWeight) else w for w in weights]), bias)
+
+    def linear(self, weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None = None) -> Linear:
+        """A product of `weight`: kept in its GGUF blocks on a CPU, else in the model's dtype."""
+        if isinstance(weight, GgufWeight) and torch.device(self.device).type == "cpu":
+            return Linear(weight, bias)
+        return Linear(self.put(weight.dequantized() if isinstance(weight, GgufWeight) else weight), bias)
 
     def gated(self, p: str) -> GatedMlp:
         return GatedMlp(self.fused([f"{p}gate_proj", f"{p}up_proj"]), self.fused([f"{p}down_proj"]),

@@ -4,6 +4,7 @@ ModelConfig the way common/model/hf_loader.py makes one; the tensors dequantized
 llama.cpp's converter changed undone, and named as the family's Hugging Face checkpoint names them."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +13,18 @@ from gguf import GGMLQuantizationType as Q
 from gguf import Keys
 
 from common.model.checkpoint import Checkpoint, hash_files
-from common.model.family import canonical_tensors
+from common.model.family import canonical_tensors, family_of
 from common.model.gguf_arch import ROPE_FACTOR_TENSORS, GgufArch, Metadata, architecture_of
 from common.model.gguf_dequant import dequantize
 from common.model.gguf_file import GgufFile, GgufTensor
+from common.model.gguf_weight import GgufWeight
 from common.model.hf_loader import FULL, SLIDING, model_config
 
 _SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K,
                      Q.MXFP4}
+# The weights `--quantization gguf` keeps in their blocks: the projections, and the embedding for
+# the lm_head it is tied to (its lookups read it dequantized).
+_NATIVE = ("_proj.weight", "model.embed_tokens.weight", "lm_head.weight")
 # GGUF metadata keys read as they are into config.json's keys of the same meaning.
 _KEYS = {
     Keys.LLM.BLOCK_COUNT: "num_hidden_layers", Keys.LLM.EMBEDDING_LENGTH: "hidden_size",
@@ -132,13 +137,20 @@ def _floats(t: GgufTensor) -> np.ndarray:
     return dequantize(t.data, t.tensor_type, t.shape)
 
 
-def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str) -> dict[str, torch.Tensor]:
-    """One GGUF tensor as the Hugging Face tensors it came from (several for stacked experts)."""
+def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str,
+             native: bool = False) -> dict[str, torch.Tensor | GgufWeight]:
+    """One GGUF tensor as the Hugging Face tensors it came from (several for stacked experts);
+    with `native`, a projection's weight in blocks the kernel computes stays in them."""
     name = arch.hf_name(t.name)
     if name is None:
         raise ValueError(f"{source}: unexpected tensor {t.name!r} for a GGUF of {arch.model_type}")
     if t.tensor_type not in _SUPPORTED_QUANTS:
         raise ValueError(f"{source}: tensor {t.name} has unsupported type {t.tensor_type.name}")
+    if native and name.endswith(_NATIVE) and (kept := GgufWeight.of(t.data, t.tensor_type, t.shape)):
+        if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):  # rows move whole
+            heads = raw["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            kept = replace(kept, blocks=torch.from_numpy(_unpermute(kept.blocks.numpy(), heads).copy()))
+        return {name: kept}
     w = _floats(t)
     if arch.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         w = _unpermute(w, raw["num_attention_heads"])
@@ -151,8 +163,10 @@ def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str) -> dict[str,
     return {name: torch.from_numpy(w)}
 
 
-def load_gguf(path: str | Path) -> Checkpoint:
-    """The checkpoint of a GGUF file, as load_hf_dir gives that of the directory it was converted from."""
+def load_gguf(path: str | Path, quantization: str = "none") -> Checkpoint:
+    """The checkpoint of a GGUF file, as load_hf_dir gives that of the directory it was converted
+    from; with `quantization` "gguf", its projections in the blocks the file stores them in
+    (common/model/gguf_weight.py), where the family's tensors are the file's own (no unpacking)."""
     path = Path(path)
     reader = GgufFile(path)
     arch_name, arch = architecture_of(reader.fields)  # refuse before reading anything else
@@ -160,8 +174,12 @@ def load_gguf(path: str | Path) -> Checkpoint:
     rope_factors = {name: _floats(t).tolist() for name, t in factors.items()}
     raw = hf_config(Metadata(reader.fields, arch_name), arch, {t.name: t.shape for t in reader.tensors}, rope_factors)
     config = model_config(raw)
-    tensors: dict[str, torch.Tensor] = {}
+    native = quantization == "gguf" and family_of(raw["model_type"]).unpack is None
+    tensors: dict[str, torch.Tensor | GgufWeight] = {}
     for t in reader.tensors:
         if t.name.split(".")[0] not in factors:  # the rope factors are the config's, not weights
-            tensors |= _weights(t, arch, raw, path.name)
-    return Checkpoint(config, canonical_tensors(raw["model_type"], tensors, raw), hash_files([path]), path)
+            tensors |= _weights(t, arch, raw, path.name, native)
+    model_hash = hash_files([path])
+    if any(isinstance(w, GgufWeight) for w in tensors.values()):  # other sums: KV that is not the float model's
+        model_hash += ";quantization=gguf"
+    return Checkpoint(config, canonical_tensors(raw["model_type"], tensors, raw), model_hash, path)

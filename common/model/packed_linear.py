@@ -15,12 +15,17 @@ at one row: 24 against 16 GB/s here), and it is no slower on prefill chunks.
 Its rows are batch-invariant by construction (one accumulator per output, k in order), which a
 bf16 hand-off needs: a prompt's last token is computed inside a chunk on one node and alone on
 another, and must round alike.
+
+A weight kept in its GGUF blocks (`--quantization gguf`, common/model/gguf_weight.py) is computed
+by cpu/gguf_linear.cpp in float32, batch-invariant too; where the CPU kernels do not build it is
+dequantized once and computed as above.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from common.model.gguf_weight import KINDS, GgufWeight
 from cpu import extension as cpu_extension
 
 # The batch size oneDNN tunes the packed layout for; decode batches are around this size.
@@ -45,12 +50,26 @@ def _bf16_kernel(weight: torch.Tensor):
     return ops if ops is not None and cpu_extension.has_bf16_linear(ops) else None
 
 
+def _gguf_kernel():
+    """`torch.ops.duet_cpu` when it holds `gguf_linear`, else None."""
+    ops = cpu_extension.kernels()
+    return ops if ops is not None and hasattr(ops, "gguf_linear") else None
+
+
 class Linear:
     """`y = x @ weight.T + bias` for 2-D `x`, with the weight packed when that is faster."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
         self.out_features = weight.shape[0]
+        self.gguf = _gguf_kernel() if isinstance(weight, GgufWeight) else None
+        if self.gguf is not None:
+            self.weight, self.kind = weight.blocks, KINDS[weight.tensor_type]
+            self.bias = torch.empty(0) if bias is None else bias.float().contiguous()
+            self.kernel, self.amx, self.packed = None, False, False
+            return
+        if isinstance(weight, GgufWeight):
+            weight = weight.dequantized()
         self.kernel = _bf16_kernel(weight)
         self.amx = self.kernel is not None and cpu_extension.bf16_linear_uses_amx(self.kernel, weight.shape[1])
         self.packed = self.kernel is None and _can_pack(weight)
@@ -65,12 +84,18 @@ class Linear:
     @property
     def instructions(self) -> str:
         """What computes this layer's products: `amx` or `avx512_bf16` (cpu/bf16_linear.cpp),
-        `onednn` (packed weights) or `torch` (`F.linear`)."""
+        `onednn` (packed weights), `torch` (`F.linear`), or `gguf` (cpu/gguf_linear.cpp)."""
+        if self.gguf is not None:
+            return "gguf"
         if self.kernel is not None:
             return "amx" if self.amx else "avx512_bf16"
         return "onednn" if self.packed else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:  # float32 in and out; the engine's dtype around it
+            out = torch.empty(x.shape[0], self.out_features)
+            self.gguf.gguf_linear(x.float().contiguous(), self.weight, self.kind, self.bias, out)
+            return out.to(x.dtype)
         if self.kernel is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
             self.kernel.bf16_linear(x.contiguous(), self.weight, self.bias, out, self.amx)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 C = TypeVar("C", bound="DaemonConfig")
 
 DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("none", "gguf")  # --quantization (common/model/gguf_weight.py)
 
 
 def check_device(device: str, dtype: str) -> None:
@@ -55,6 +56,7 @@ class DaemonConfig:
     attention_sinks: int = 0  # sliding-window models: leading positions every query attends too
     device: str = "cpu"  # where the weights and the KV pool live: cpu or cuda (docs/gpu.md)
     dtype: str = "auto"  # weights, activations and KV (common/serving/dtype_choice.py); see resolved_dtype
+    quantization: str = "none"  # gguf: a GGUF's projections computed in its blocks (common/model/gguf_weight.py)
     log_level: str = "info"
     drain_seconds: float = 10.0  # how long SIGTERM lets in-flight streams finish before cutting them
     advertise_host: str = ""  # the host peers should dial; default --host
@@ -112,6 +114,11 @@ class DaemonConfig:
         if self.attention_sinks < 0:
             raise ValueError("--attention-sinks must be >= 0")
         check_device(self.device, self.dtype)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "gguf" and self.model is not None and self.model.suffix != ".gguf":
+            raise ValueError(f"--quantization gguf computes a GGUF file's own blocks; --model {self.model} is not "
+                             "a .gguf file (use --quantization none)")
         if self.trace_requests < 1:
             raise ValueError("--trace-requests must be >= 1")
         if not self.drain_seconds > 0:
@@ -173,6 +180,11 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    help="weights, activations and KV cache; auto = bfloat16 on a CUDA device or a CPU with "
                    "AVX512-BF16 or AMX (as vLLM), else float32; float16 needs --device cuda; prefill and "
                    "decode nodes must agree (default %(default)s)")
+    p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                   help="gguf: compute a GGUF model's Q4_0, Q4_1 and Q8_0 projections and tied lm_head in the "
+                   "file's own blocks, each weight the value a dequantized load gives it, reading 4.5-8.5 bits a "
+                   "weight instead of 16 or 32 (CPU; docs/models.md \"Quantized weights\"); none: dequantize "
+                   "every weight at load; prefill and decode nodes must agree (default %(default)s)")
     p.add_argument("--advertise-host", default="", metavar="HOST",
                    help="address other nodes should use to reach this one (default: --host); needed when "
                    "listening on 0.0.0.0 or behind NAT")

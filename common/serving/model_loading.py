@@ -19,17 +19,19 @@ log = logging.getLogger(__name__)
 
 def load_model_and_tokenizer(path: Path | None, dtype: torch.dtype = torch.float32,
                              device: str = "cpu", attention_sinks: int = 0,
-                             dtype_flag: str | None = None) -> tuple[DecoderModel, Tokenizer]:
-    """`dtype_flag`, when given, is the `--dtype` that chose `dtype` (logged beside it)."""
+                             dtype_flag: str | None = None, quantization: str = "none") -> tuple[DecoderModel, Tokenizer]:
+    """`dtype_flag`, when given, is the `--dtype` that chose `dtype` (logged beside it);
+    `quantization` is `--quantization`."""
     path = path or default_model_path()
     started = time.monotonic()
-    model = DecoderModel(with_attention_sinks(load_checkpoint(path), attention_sinks), dtype=dtype, device=device)
+    model = DecoderModel(with_attention_sinks(load_checkpoint(path, quantization), attention_sinks), dtype=dtype,
+                         device=device)
     tokenizer = load_tokenizer(path)
     dtype_name = str(dtype).removeprefix("torch.")
     log.info("model loaded", extra={"fields": {
         "model": str(path), "layers": model.config.num_layers, "dtype": dtype_name,
         "dtype_flag": dtype_flag or dtype_name,
-        "device": str(model.device), "linear": model.lm_head.instructions,
+        "device": str(model.device), "linear": model.lm_head.instructions, "quantization": quantization,
         "seconds": round(time.monotonic() - started, 2)}})
     if emulated_bf16(model.device.type, dtype_name):
         log.warning("bfloat16 is emulated on this CPU", extra={"fields": {

@@ -50,6 +50,8 @@ def test_defaults():
     (["--kv-sliding-pages", "8", "--kv-offload-dir", "/tmp/tier"], "--kv-sliding-pages 0"),
     (["--api-server-count", "0"], "--api-server-count: must be at least 1"),
     (["--anthropic-billing-header", "drop"], "invalid choice"),
+    (["--quantization", "int3"], "invalid choice"),
+    (["--quantization", "gguf", "--model", "/tmp"], "is not a .gguf file"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

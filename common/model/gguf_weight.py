@@ -1,0 +1,57 @@
+"""A linear layer's weight kept in a GGUF file's own blocks (`--quantization gguf`).
+
+Decode reads every weight once per step, so its speed is the bytes it reads: the embedded model's
+Q4_1 blocks are 5 bits a weight where float32 is 32. The attention and MLP projections of a
+GGUF whose blocks are Q4_0, Q4_1 or Q8_0 stay in those blocks, and cpu/gguf_linear.cpp computes
+with them, each weight rebuilt to the very value `gguf_dequant` gives it; every other tensor
+(embeddings, norms, other block types) is dequantized at load as without the flag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from common.model.gguf_dequant import dequantize
+
+# Block types computed natively -> the kernel's `kind` (cpu/gguf_linear.cpp).
+KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
+BLOCK = 32  # weights per block, every kind
+
+
+@dataclass(frozen=True)
+class GgufWeight:
+    """An `[out_features, in_features]` weight as the file's blocks, one row of blocks per output."""
+
+    tensor_type: Q
+    blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.blocks.shape[1] // _block_bytes(self.tensor_type) * BLOCK
+
+    @classmethod
+    def of(cls, data: np.ndarray, tensor_type: Q, shape: tuple[int, ...]) -> GgufWeight | None:
+        """A GGUF tensor's bytes as a GgufWeight; None when it is not a 2-D weight of a kind the
+        kernel computes."""
+        if tensor_type not in KINDS or len(shape) != 2 or shape[1] % BLOCK:
+            return None
+        return cls(tensor_type, torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1).copy()))
+
+    @staticmethod
+    def cat(parts: list[GgufWeight]) -> GgufWeight:
+        """The weights' rows stacked (fused products), all of one block type."""
+        kinds = {p.tensor_type for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"fused products of different block types: {sorted(k.name for k in kinds)}")
+        return GgufWeight(parts[0].tensor_type, torch.cat([p.blocks for p in parts]))
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight, as a load without `--quantization gguf` makes it."""
+        return torch.from_numpy(dequantize(self.blocks.numpy(), self.tensor_type, self.shape))
+
+
+def _block_bytes(tensor_type: Q) -> int:
+    return {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[tensor_type]

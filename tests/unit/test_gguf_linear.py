@@ -1,0 +1,72 @@
+"""Weights kept in their GGUF blocks (`--quantization gguf`, common/model/gguf_weight.py and
+cpu/gguf_linear.cpp): each weight the value a dequantized load gives it, products within float32
+rounding of the dequantized weight's, rows that do not depend on their batch, and the embedded
+model's greedy tokens those of the dequantized model."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from common.model.checkpoint import load_checkpoint
+from common.model.decoder import DecoderModel
+from common.model.default_model import default_model_path
+from common.model.gguf_weight import KINDS, GgufWeight
+from common.model.packed_linear import Linear
+from common.model.tokenizer import load_tokenizer
+from cpu import extension as cpu_extension
+from harness.reference import REFERENCE_PROMPTS, engine_greedy_many
+
+KERNEL = "gguf" if cpu_extension.kernels() is not None else "onednn"  # without the kernels: dequantized
+
+
+def _weight(kind: Q, out_features: int = 96, in_features: int = 160, seed: int = 0) -> GgufWeight:
+    values = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    return GgufWeight.of(gguf.quants.quantize(values, kind), kind, (out_features, in_features))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_weight_is_the_dequantized_value_and_the_product_its_own(kind):
+    w = _weight(kind)
+    assert w.shape == (96, 160)
+    assert torch.equal(w.dequantized(), torch.from_numpy(gguf.quants.dequantize(w.blocks.numpy(), kind)))
+    x, bias = torch.randn(7, 160), torch.randn(96)
+    layer = Linear(w, bias)
+    assert layer.instructions == KERNEL
+    got, want = layer(x), F.linear(x, w.dequantized(), bias)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_row_is_the_same_bits_in_any_batch(kind):
+    layer = Linear(_weight(kind, seed=1))
+    x = torch.randn(9, 160)
+    whole = layer(x)
+    for i in range(9):
+        assert torch.equal(layer(x[i : i + 1])[0], whole[i])
+    assert torch.equal(layer(x[2:7]), whole[2:7])
+
+
+def test_fused_products_need_one_block_type():
+    with pytest.raises(ValueError, match="different block types"):
+        GgufWeight.cat([_weight(Q.Q4_0), _weight(Q.Q8_0)])
+
+
+def test_the_embedded_model_keeps_its_blocks_and_its_greedy_tokens():
+    plain, kept = load_checkpoint(default_model_path()), load_checkpoint(default_model_path(), "gguf")
+    blocks = {name: w.tensor_type for name, w in kept.tensors.items() if isinstance(w, GgufWeight)}
+    assert blocks["model.layers.0.self_attn.q_proj.weight"] is Q.Q4_1 and blocks["model.embed_tokens.weight"] is Q.Q8_0
+    assert len(blocks) == 30 * 7 + 1 and not any(isinstance(w, GgufWeight) for w in plain.tensors.values())
+    assert kept.model_hash != plain.model_hash  # a node of each is refused as an incompatible pair
+
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        # rows moved whole where the converter interleaved Q/K: the same values
+        assert torch.equal(kept.tensors[name].dequantized(), plain.tensors[name])
+    models = DecoderModel(plain), DecoderModel(kept)
+    assert models[1].lm_head.instructions == KERNEL and models[1].layers[0]["qkv"].instructions == KERNEL
+    tokenizer = load_tokenizer(default_model_path())
+    prompts = [tokenizer.encode(p) for p in REFERENCE_PROMPTS]
+    assert engine_greedy_many(models[1], prompts, 16) == engine_greedy_many(models[0], prompts, 16)
