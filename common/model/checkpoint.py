@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from common.model.config import ModelConfig
-from common.model.gguf_weight import GgufWeight
+from common.model.gguf_weight import AT_LOAD, GgufWeight, quantized_at_load
 
 
 @dataclass
@@ -29,14 +29,17 @@ def hash_files(paths: list[Path]) -> str:
 
 
 def load_checkpoint(path: str | Path, quantization: str = "none") -> Checkpoint:
-    """A `.gguf` file or a Hugging Face directory (config.json + *.safetensors); `quantization`
-    "gguf" keeps a GGUF's projections in its blocks (common/model/gguf_weight.py)."""
+    """A `.gguf` file or a Hugging Face directory (config.json + *.safetensors). `quantization`
+    (`--quantization`, common/model/gguf_weight.py): "gguf" keeps a GGUF's projections in its
+    blocks; "int8" and "int4" quantize any checkpoint's projections at load."""
     from common.model.gguf_loader import load_gguf
     from common.model.hf_loader import load_hf_dir
 
     path = Path(path)
     if path.is_dir():
-        return load_hf_dir(path)
-    if path.suffix == ".gguf":
-        return load_gguf(path, quantization)
-    raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model directory")
+        ckpt = load_hf_dir(path)
+    elif path.suffix == ".gguf":
+        ckpt = load_gguf(path, "gguf" if quantization == "gguf" else "none")
+    else:
+        raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model directory")
+    return quantized_at_load(ckpt, quantization) if quantization in AT_LOAD else ckpt

@@ -17,14 +17,11 @@ from common.model.family import canonical_tensors, family_of
 from common.model.gguf_arch import ROPE_FACTOR_TENSORS, GgufArch, Metadata, architecture_of
 from common.model.gguf_dequant import dequantize
 from common.model.gguf_file import GgufFile, GgufTensor
-from common.model.gguf_weight import GgufWeight
+from common.model.gguf_weight import NATIVE, GgufWeight
 from common.model.hf_loader import FULL, SLIDING, model_config
 
 _SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K,
                      Q.MXFP4}
-# The weights `--quantization gguf` keeps in their blocks: the projections, and the embedding for
-# the lm_head it is tied to (its lookups read it dequantized).
-_NATIVE = ("_proj.weight", "model.embed_tokens.weight", "lm_head.weight")
 # GGUF metadata keys read as they are into config.json's keys of the same meaning.
 _KEYS = {
     Keys.LLM.BLOCK_COUNT: "num_hidden_layers", Keys.LLM.EMBEDDING_LENGTH: "hidden_size",
@@ -146,7 +143,7 @@ def _weights(t: GgufTensor, arch: GgufArch, raw: dict, source: str,
         raise ValueError(f"{source}: unexpected tensor {t.name!r} for a GGUF of {arch.model_type}")
     if t.tensor_type not in _SUPPORTED_QUANTS:
         raise ValueError(f"{source}: tensor {t.name} has unsupported type {t.tensor_type.name}")
-    if native and name.endswith(_NATIVE) and (kept := GgufWeight.of(t.data, t.tensor_type, t.shape)):
+    if native and name.endswith(NATIVE) and (kept := GgufWeight.of(t.data, t.tensor_type, t.shape)):
         if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):  # rows move whole
             heads = raw["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             kept = replace(kept, blocks=torch.from_numpy(_unpermute(kept.blocks.numpy(), heads).copy()))

@@ -1,24 +1,38 @@
-"""A linear layer's weight kept in a GGUF file's own blocks (`--quantization gguf`).
+"""A linear layer's weight kept in GGUF blocks (`--quantization gguf|int8|int4`).
 
 Decode reads every weight once per step, so its speed is the bytes it reads: the embedded model's
 Q4_1 blocks are 5 bits a weight where float32 is 32. The attention and MLP projections of a
 GGUF whose blocks are Q4_0, Q4_1 or Q8_0 stay in those blocks, and cpu/gguf_linear.cpp computes
 with them, each weight rebuilt to the very value `gguf_dequant` gives it; every other tensor
 (embeddings, norms, other block types) is dequantized at load as without the flag.
+
+`int8` and `int4` quantize the projections of any checkpoint (a Hugging Face directory, or a
+GGUF's dequantized values) at load into the same blocks: Q8_0 (a float16 scale per 32 weights,
+int8 values) and Q4_1 (a float16 scale and minimum per 32 weights, 4-bit values), as llama.cpp
+writes them (gguf's `quants.quantize`); the kernel is the same.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from common.model.gguf_dequant import dequantize
 
+if TYPE_CHECKING:
+    from common.model.checkpoint import Checkpoint
+
 # Block types computed natively -> the kernel's `kind` (cpu/gguf_linear.cpp).
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
 BLOCK = 32  # weights per block, every kind
+AT_LOAD = {"int8": Q.Q8_0, "int4": Q.Q4_1}  # --quantization that quantizes at load -> its blocks
+# The products kept in blocks: the projections, and the embedding for the lm_head tied to it (its
+# lookups read it dequantized), or the lm_head itself.
+NATIVE = ("_proj.weight", "model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -48,9 +62,25 @@ class GgufWeight:
             raise ValueError(f"fused products of different block types: {sorted(k.name for k in kinds)}")
         return GgufWeight(parts[0].tensor_type, torch.cat([p.blocks for p in parts]))
 
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, tensor_type: Q) -> GgufWeight:
+        """`weight` quantized into `tensor_type` blocks."""
+        values = weight.float().numpy()
+        return cls(tensor_type, torch.from_numpy(gguf.quants.quantize(values, tensor_type).reshape(weight.shape[0], -1)))
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight, as a load without `--quantization gguf` makes it."""
         return torch.from_numpy(dequantize(self.blocks.numpy(), self.tensor_type, self.shape))
+
+
+def quantized_at_load(ckpt: Checkpoint, quantization: str) -> Checkpoint:
+    """`ckpt` with its 2-D NATIVE weights whose rows are whole blocks quantized into the blocks of
+    `quantization` (AT_LOAD); the model hash says so."""
+    kind = AT_LOAD[quantization]
+    tensors = {name: GgufWeight.quantized(w, kind)
+               if name.endswith(NATIVE) and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] % BLOCK == 0
+               else w for name, w in ckpt.tensors.items()}
+    return replace(ckpt, tensors=tensors, model_hash=f"{ckpt.model_hash};quantization={quantization}")
 
 
 def _block_bytes(tensor_type: Q) -> int:

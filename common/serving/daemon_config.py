@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 C = TypeVar("C", bound="DaemonConfig")
 
 DEVICES = ("cpu", "cuda")
-QUANTIZATIONS = ("none", "gguf")  # --quantization (common/model/gguf_weight.py)
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")  # --quantization (common/model/gguf_weight.py)
 
 
 def check_device(device: str, dtype: str) -> None:
@@ -56,7 +56,7 @@ class DaemonConfig:
     attention_sinks: int = 0  # sliding-window models: leading positions every query attends too
     device: str = "cpu"  # where the weights and the KV pool live: cpu or cuda (docs/gpu.md)
     dtype: str = "auto"  # weights, activations and KV (common/serving/dtype_choice.py); see resolved_dtype
-    quantization: str = "none"  # gguf: a GGUF's projections computed in its blocks (common/model/gguf_weight.py)
+    quantization: str = "none"  # gguf | int8 | int4: projections computed in GGUF blocks (common/model/gguf_weight.py)
     log_level: str = "info"
     drain_seconds: float = 10.0  # how long SIGTERM lets in-flight streams finish before cutting them
     advertise_host: str = ""  # the host peers should dial; default --host
@@ -181,10 +181,12 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    "AVX512-BF16 or AMX (as vLLM), else float32; float16 needs --device cuda; prefill and "
                    "decode nodes must agree (default %(default)s)")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
-                   help="gguf: compute a GGUF model's Q4_0, Q4_1 and Q8_0 projections and tied lm_head in the "
-                   "file's own blocks, each weight the value a dequantized load gives it, reading 4.5-8.5 bits a "
-                   "weight instead of 16 or 32 (CPU; docs/models.md \"Quantized weights\"); none: dequantize "
-                   "every weight at load; prefill and decode nodes must agree (default %(default)s)")
+                   help="compute the projections and the lm_head from 4- or 8-bit blocks (CPU), reading a quarter "
+                   "to an eighth of the bytes a decode step reads in float32: gguf = a GGUF's own Q4_0, Q4_1 and "
+                   "Q8_0 blocks, each weight the value a dequantized load gives it; int8 / int4 = any model's "
+                   "weights quantized at load (32 weights a scale; int4 with a minimum); none = dequantize every "
+                   "weight (docs/models.md \"Quantized weights\"); prefill and decode nodes must agree "
+                   "(default %(default)s)")
     p.add_argument("--advertise-host", default="", metavar="HOST",
                    help="address other nodes should use to reach this one (default: --host); needed when "
                    "listening on 0.0.0.0 or behind NAT")
