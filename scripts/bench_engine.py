@@ -32,13 +32,13 @@ so it holds up while other processes load the machine; the absolute numbers do n
 Goals (informational; the exit status is 0 either way): decode at batch 8 at most 0.8x
 transformers' step time, prefill at least 1.0x transformers' throughput.
 
-With --quantization, also ours computing the embedded GGUF's own blocks (`--quantization gguf`:
-Q4_1 projections, the tied lm_head in Q8_0) against ours on the dequantized weights, paired the
-same way: decode steps at QUANTIZATION_CASES and a 512-token prefill.
+With --quantization MODE, also ours with that `--quantization` (gguf: the embedded GGUF's own
+Q4_1 projections and Q8_0 lm_head; int8, int4: quantized at load) against ours on the dequantized
+weights, paired the same way: decode steps at QUANTIZATION_CASES and a 512-token prefill.
 
 Set DUET_DISABLE_CPU_KERNELS=1 to measure the torch attention fallback instead of the CPU kernel.
 
-Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--dtype auto|float32|bfloat16] [--quantization] [--json FILE]
+Usage: python -m scripts.bench_engine [--quick] [--decode-only] [--dtype auto|float32|bfloat16] [--quantization gguf|int8|int4] [--json FILE]
 """
 from __future__ import annotations
 
@@ -239,27 +239,27 @@ def dtype_row(ours: DecoderModel, warmup: int, iters: int) -> Row:
     return Row("dtype", bsz, 1e3 * t16, 1e3 * t32, ratio, f"<= {DTYPE_GOAL}x", verdict, context)
 
 
-def quantization_rows(ours: DecoderModel, dtype: torch.dtype, warmup: int, iters: int) -> list[Row]:
-    """Ours with the GGUF's own blocks (`--quantization gguf`) against ours on the dequantized
-    weights, paired like the ours/theirs rows: decode steps at QUANTIZATION_CASES, a prefill."""
-    kept = DecoderModel(load_checkpoint(default_model_path(), "gguf"), dtype=dtype)
+def quantization_rows(ours: DecoderModel, dtype: torch.dtype, warmup: int, iters: int, mode: str) -> list[Row]:
+    """Ours with `--quantization mode` against ours on the dequantized weights, paired like the
+    ours/theirs rows: decode steps at QUANTIZATION_CASES, a prefill."""
+    kept = DecoderModel(load_checkpoint(default_model_path(), mode), dtype=dtype)
     rows = []
     for bsz, context in QUANTIZATION_CASES:
         t_kept, t_ours, ratio = paired_medians(decode_ours(kept, bsz, context, warmup + iters),
                                                decode_ours(ours, bsz, context, warmup + iters), warmup, iters)
         gbs = step_bytes(kept, bsz, context) / t_kept / 1e9
-        rows.append(Row("gguf decode", bsz, 1e3 * t_kept, 1e3 * t_ours, ratio, "", "", context, gbs))
-        print(f"  decode  B={bsz:3d} ctx {context:5d}: gguf {1e3 * t_kept:8.2f} ms/step, none {1e3 * t_ours:8.2f} ms/step",
+        rows.append(Row(f"{mode} decode", bsz, 1e3 * t_kept, 1e3 * t_ours, ratio, "", "", context, gbs))
+        print(f"  decode  B={bsz:3d} ctx {context:5d}: {mode} {1e3 * t_kept:8.2f} ms/step, none {1e3 * t_ours:8.2f} ms/step",
               flush=True)
     prompt = random_prompts(1, 512, ours.config.vocab_size)[0].tolist()
     t_kept, t_ours, ratio = paired_medians(prefill_ours(kept, prompt), prefill_ours(ours, prompt), 1, 3)
-    rows.append(Row("gguf prefill", 512, 512 / t_kept, 512 / t_ours, 1 / ratio, "", ""))
-    print(f"  prefill  512 tok: gguf {512 / t_kept:8.1f} tok/s, none {512 / t_ours:8.1f} tok/s", flush=True)
+    rows.append(Row(f"{mode} prefill", 512, 512 / t_kept, 512 / t_ours, 1 / ratio, "", ""))
+    print(f"  prefill  512 tok: {mode} {512 / t_kept:8.1f} tok/s, none {512 / t_ours:8.1f} tok/s", flush=True)
     return rows
 
 
 def run(quick: bool, decode_only: bool = False, dtype: torch.dtype = torch.float32,
-        quantization: bool = False) -> list[Row]:
+        quantization: str | None = None) -> list[Row]:
     prefill_lengths = [] if decode_only else [128, 512] if quick else [128, 512, 2048]
     decode_cases = QUICK_DECODE_CASES if quick else DECODE_CASES
     warmup, iters = (1, 3) if quick else (2, 5)
@@ -298,7 +298,7 @@ def run(quick: bool, decode_only: bool = False, dtype: torch.dtype = torch.float
         if dtype == torch.bfloat16:
             rows.append(dtype_row(ours, decode_warmup, decode_iters))
         if quantization:
-            rows += quantization_rows(ours, dtype, decode_warmup, decode_iters)
+            rows += quantization_rows(ours, dtype, decode_warmup, decode_iters, quantization)
     return rows
 
 
@@ -309,18 +309,20 @@ def format_table(rows: list[Row], bandwidth: float) -> str:
             label, ours, theirs = f"prefill {r.size} tok, B=1 (tok/s)", f"{r.ours:.1f}", f"{r.theirs:.1f}"
         elif r.kind == "dtype":
             label, ours, theirs = f"bf16 / fp32 B={r.size}, ctx {r.context}", f"{r.ours:.2f}", f"{r.theirs:.2f}"
-        elif r.kind == "gguf decode":
-            label, ours, theirs = f"gguf / none B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:.2f}", f"{r.theirs:.2f}"
-        elif r.kind == "gguf prefill":
-            label, ours, theirs = f"gguf / none prefill {r.size} tok (tok/s)", f"{r.ours:.1f}", f"{r.theirs:.1f}"
+        elif r.kind.endswith(" decode"):
+            mode = r.kind.split()[0]
+            label, ours, theirs = f"{mode} / none B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:.2f}", f"{r.theirs:.2f}"
+        elif r.kind.endswith(" prefill"):
+            mode = r.kind.split()[0]
+            label, ours, theirs = f"{mode} / none prefill {r.size} tok (tok/s)", f"{r.ours:.1f}", f"{r.theirs:.1f}"
         else:
             label, ours, theirs = f"decode B={r.size}, ctx {r.context} (ms/step)", f"{r.ours:.2f}", f"{r.theirs:.2f}"
         table.append([label, ours, theirs, f"{r.ratio:.3f}x", r.goal, r.verdict])
     lines = text_table(["measure", "ours", "transformers", "ratio", "goal", "result"], table, "<>>><<")
     lines.append("ratio = ours/transformers (median of paired calls); prefill: higher is better, decode: lower;")
     lines.append("the bf16 / fp32 row is ours in bf16 against ours in fp32 (ms/step)")
-    lines.append("gguf / none rows: ours computing the GGUF's blocks (--quantization gguf) against ours on the")
-    lines.append("dequantized weights (the transformers column holds the latter)")
+    lines.append("<mode> / none rows: ours with --quantization <mode> against ours on the dequantized weights")
+    lines.append("(the transformers column holds the latter)")
     lines.append("")
     lines.append(f"decode against the copy bandwidth ({bandwidth:.1f} GB/s here): bytes a step reads / step time")
     decodes = [[r.kind, f"B={r.size}", f"ctx {r.context}", f"{r.bandwidth:.1f} GB/s",
@@ -352,8 +354,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurements")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="both sides' dtype; auto = what a daemon's --dtype auto picks here (default)")
-    parser.add_argument("--quantization", action="store_true",
-                        help="also ours with the GGUF's own blocks (--quantization gguf) against ours dequantized")
+    parser.add_argument("--quantization", choices=["gguf", "int8", "int4"],
+                        help="also ours with this --quantization against ours on the dequantized weights")
     args = parser.parse_args()
     dtype = getattr(torch, resolve_dtype("cpu", args.dtype))
 
