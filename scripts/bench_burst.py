@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import errno
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,9 +37,10 @@ from pathlib import Path
 import aiohttp
 
 from common.openai_http.api_server import raise_fd_limit
-from harness.local_daemons import ROOT, decode_node, free_port
+from harness.local_daemons import decode_node, free_port
 from loadgen.percentiles import percentile
 from loadgen.text_table import text_table
+from scripts import run_record
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=900)  # slow but served requests count as served
@@ -272,18 +272,6 @@ def format_burst(r: dict) -> str:
     return "\n".join(text_table([f"burst of {n}", ""], rows, "<>"))
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--counts", default="300,1500", help="comma-separated burst sizes (default %(default)s)")
@@ -297,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--counts: positive integers; --max-tokens >= 1")
     raise_fd_limit()  # every client of a burst holds a socket
     body = request_body(a.max_tokens)
-    machine = {"cpu": cpu_model(), "commit": git_commit()}  # before the run: HEAD may move meanwhile
+    machine = {"cpu": run_record.machine()["cpu"], "commit": run_record.git_commit()}  # before the run: HEAD may move meanwhile
     with tempfile.TemporaryDirectory(prefix="bench_burst_") as tmp:
         port = free_port()
         with decode_node(Path(tmp), "--openai-port", str(port), "--dtype", a.dtype) as dn:

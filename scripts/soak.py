@@ -56,6 +56,7 @@ from harness.helpers import greedy, random_ids, wait_clean
 from harness.local_daemons import Daemon, decode_node, free_port, prefill_node, router
 from harness.reference import FP32, greedy_gaps
 from protos.duet.v1 import duet_pb2 as pb
+from scripts import run_record
 
 TIE = 1e-3  # a logit this close to the best is as greedy a choice as the best
 GROWTH_LIMIT = 0.05
@@ -325,6 +326,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("docs/bench/soak.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/bench/soak.png"))
     args = parser.parse_args()
+    made_by = {"machine": run_record.machine(), "commit": run_record.git_commit()}  # before: HEAD may move
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         soak = Soak(Path(tmp), stack)
         samples = soak.run_load(args.minutes * 60, args.sample_seconds)
@@ -338,7 +340,7 @@ def main() -> None:
     misses = verdict(samples, tally, leaked)
     growths = {name: {series: round(growth([s[name][series] for s in samples]), 4) for series in COUNTED}
                for name in samples[0] if name != "t"}
-    record = {"command": " ".join(["python -m scripts.soak", *sys.argv[1:]]), "minutes": args.minutes,
+    record = {"command": " ".join(["python -m scripts.soak", *sys.argv[1:]]), **made_by, "minutes": args.minutes,
               "ok": dict(tally.ok), "failed": dict(tally.failed), "checked": tally.checked,
               "unchecked": tally.unchecked, "wrong": tally.wrong, "prompt_tokens": sources,
               "growth_second_half": growths, "misses": misses, "samples": samples}
