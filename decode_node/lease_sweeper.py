@@ -8,6 +8,7 @@ import threading
 import time
 
 from common.tracing import Tracer
+from common.transports.metrics import TransferFailure
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import RequestTable, Status
 from decode_node.writer_gate import WriterGate
@@ -43,5 +44,5 @@ class LeaseSweeper:
                 log.info("lease expired", extra={"fields": {"request_id": entry.request_id}})
                 self._metrics.lease_expiries.inc()
                 if entry.status is Status.RECEIVING:
-                    self._metrics.transfers.failed("lease_expired")
+                    self._metrics.transfers.failed(TransferFailure.LEASE_EXPIRED)
                 self._tracer.event(entry.request_id, "lease_expired")

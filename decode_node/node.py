@@ -34,6 +34,7 @@ from common.serving.kv_tiers import KvTiers
 from common.serving.pool_metrics import node_load
 from common.tracing import Tracer
 from common.transports import open_sender
+from common.transports.metrics import TransferFailure
 from decode_node.admission import Admission
 from decode_node.config import DecodeNodeConfig
 from decode_node.drain import Drain
@@ -306,7 +307,7 @@ class DecodeNode:
             self.migrations.abort(entry)
         elif entry.status in HOLDING_RESERVATION:
             if entry.status is Status.RECEIVING:
-                self.metrics.transfers.failed("aborted")
+                self.metrics.transfers.failed(TransferFailure.ABORTED)
             self.requests.move(entry, Status.ABORTED)
             self.tracer.event(entry.request_id, "aborted", held="reservation")
         else:

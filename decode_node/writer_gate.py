@@ -30,6 +30,7 @@ from common.transports.connector import WriteWindow
 from common.transports.layer_slots import receiver_layer_slots
 from common.transports.pieces import transfer_bytes
 from common.transports.fences import WriteFences
+from common.transports.metrics import TransferFailure
 from decode_node.config import DecodeNodeConfig
 from decode_node.metrics import DecodeMetrics
 from decode_node.request_table import HOLDING_RESERVATION, LiveRequest, RequestTable, Reservation, Status
@@ -146,7 +147,7 @@ class WriterGate:
                 return
             entry = self._writer_entry(request_id, nonce)
             if abandoned:
-                self._metrics.transfers.failed("abandoned")
+                self._metrics.transfers.failed(TransferFailure.ABANDONED)
                 if entry.status is Status.RECEIVING:  # another writer may begin
                     self._requests.move(entry, Status.RESERVED)
             if abandoned or entry.status is Status.RECEIVED:
@@ -181,7 +182,7 @@ class WriterGate:
         where = first_mismatch(ours, list(checksums))
         if where is None:
             return
-        self._metrics.transfers.failed("checksum")
+        self._metrics.transfers.failed(TransferFailure.CHECKSUM)
         self._tracer.event(entry.request_id, "transfer_corrupt", first_mismatch=where)
         with self.lock:
             if self._requests.holds_reservation(entry) and entry.status is Status.RECEIVING:

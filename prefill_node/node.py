@@ -78,7 +78,7 @@ class PrefillNode:
         except BaseException as exc:
             code = exc.code if isinstance(exc, RequestError) else None
             if began or code is ErrorCode.UNAVAILABLE:  # UNAVAILABLE: admitted, or gone, as it began
-                self.metrics.transfers.failed(code.name.lower() if code else "internal")
+                self.metrics.transfers.failed_with(code)
             raise
 
     def _prefill_into(self, req: SendRequest, transfer: OpenTransfer, dst: list[np.ndarray], read_back_tokens: int,

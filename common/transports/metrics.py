@@ -7,16 +7,28 @@
   CompleteTransfer.
 - ``duet_kv_transfer_segments``: destination segments (``kv_append_metadata[0]``) per transfer.
 - ``duet_kv_transfer_failures_total{reason}``: transfers that began and did not complete. The
-  prefill node's reason is the gRPC status it answers RemoteSend with, lower case
-  (``unavailable``, ``deadline_exceeded``, ...); the decode node's is ``abandoned`` (the writer
-  gave up), ``aborted`` or ``lease_expired`` (the reservation ended with its transfer under way).
+  writing node's reason is the status its transfer ended with, lower case (``unavailable``,
+  ``deadline_exceeded``, ...: `failed_with`); the decode node's is a `TransferFailure`.
 """
 from __future__ import annotations
 
+import enum
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from common.errors import ErrorCode
 
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SEGMENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class TransferFailure(enum.StrEnum):
+    """Why a decode node saw a transfer into one of its reservations fail."""
+
+    ABANDONED = "abandoned"  # the writer reported it will write nothing more
+    ABORTED = "aborted"  # the request was aborted with its transfer under way
+    LEASE_EXPIRED = "lease_expired"  # the reservation's lease ran out with its transfer under way
+    CHECKSUM = "checksum"  # the KV that landed is not the KV the writer sent
 
 
 class TransferMetrics:
@@ -35,5 +47,10 @@ class TransferMetrics:
         self._seconds.observe(seconds)
         self._segments.observe(segments)
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: TransferFailure) -> None:
+        """On the decode node."""
         self._failures.labels(reason).inc()
+
+    def failed_with(self, code: ErrorCode | None) -> None:
+        """On the writing node: the status its transfer ended with (None: an unexpected error)."""
+        self._failures.labels((code or ErrorCode.INTERNAL).name.lower()).inc()
