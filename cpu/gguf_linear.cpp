@@ -1,19 +1,23 @@
 // torch.ops.duet_cpu.gguf_linear: y = x @ W.T (+ bias) with W kept in a GGUF file's own blocks
-// (Q4_0, Q4_1, Q8_0: 32 weights per block, llama.cpp's ggml-common.h layouts), so a decode step
-// reads 4.5-8.5 bits per weight instead of 32.
+// (llama.cpp's ggml-common.h layouts), so a decode step reads 4.5-8.5 bits per weight, not 32.
 //
 // Shapes (checked here; common/model/gguf_weight.py holds W and calls it):
-//   x     [M, K] float32, contiguous, K a multiple of 32
-//   w     [N, K / 32 * block bytes] uint8: each row of W its blocks, as the file stores them
-//   kind  0: Q4_0 (fp16 d, 16 bytes of nibbles; w = d * (q - 8))
-//         1: Q4_1 (fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m)
-//         2: Q8_0 (fp16 d, 32 int8; w = d * q)
+//   x     [M, K] float32, contiguous, K a multiple of the block's weights
+//   w     [N, K / block weights * block bytes] uint8: each row of W its blocks, as the file stores them
+//   kind  0: Q4_0 (32 weights: fp16 d, 16 bytes of nibbles; w = d * (q - 8))
+//         1: Q4_1 (32 weights: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m)
+//         2: Q8_0 (32 weights: fp16 d, 32 int8; w = d * q)
 //         nibbles: value j of a block is the low nibble of byte j, value j + 16 its high nibble
+//         3: Q4_K (256 weights: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128
+//            bytes of nibbles; w = (d * scale) * q - dmin * min per 32 weights)
+//         4: Q6_K (256 weights: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales,
+//            fp16 d; w = (d * scale) * (q - 32) per 16 weights)
 //   bias  [N] float32, or an empty tensor
 //   out   [M, N] float32, contiguous
 //
-// Each weight is rebuilt to the bits common/model/gguf_dequant.py gives it (d * q is exact in
-// float32: an fp16 times an integer of at most 8 bits; Q4_1 adds m once, rounded once, as there).
+// Each weight is rebuilt to the bits common/model/gguf_dequant.py gives it (gguf's own numpy
+// dequantization for the K types): the same float32 operations in the same order (d * q is exact:
+// an fp16 times an integer of at most 8 bits; what rounds, rounds once, as there).
 // Every output is 8 float32 lanes, lane l summing x[k] * w[k] for k = l (mod 8), k ascending, by
 // fused multiply-adds, then the lanes added in one fixed order: so a row of `out` depends only on
 // that row of x, never on its batch or on how outputs are split between threads (a prompt's last
@@ -38,9 +42,13 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kRows = 2, kColumns = 4;  // a register block: 8 accumulators, 4 weight vectors, 1 of x
-enum Kind : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum Kind : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ6_K = 4 };
 
-int64_t block_bytes(int64_t kind) { return kind == kQ4_0 ? 18 : kind == kQ4_1 ? 20 : 34; }
+int64_t block_bytes(int64_t kind) {
+  constexpr int64_t bytes[] = {18, 20, 34, 144, 210};
+  return bytes[kind];
+}
+int64_t block_weights(int64_t kind) { return kind >= kQ4_K ? 256 : kBlock; }
 
 float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -61,6 +69,37 @@ void rebuild(const uint8_t* b, int64_t kind, float* w) {
     const float lo = static_cast<float>(qs[j] & 0x0F), hi = static_cast<float>(qs[j] >> 4);
     w[j] = kind == kQ4_1 ? std::fma(d, lo, m) : (lo - 8.0f) * d;
     w[j + 16] = kind == kQ4_1 ? std::fma(d, hi, m) : (hi - 8.0f) * d;
+  }
+}
+
+// A Q4_K block's 256 weights (gguf's Q4_K.get_scale_min unpacks the scales alike).
+void rebuild_q4_k(const uint8_t* b, float* w) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    const float dsc = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+    const uint8_t* q = b + 16 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < 32; ++i) w[32 * j + i] = dsc * static_cast<float>((q[i] >> shift) & 15) - dm;
+  }
+}
+
+// A Q6_K block's 256 weights: value v is in half h = v / 128; its low 4 bits are nibble (u / 64)
+// of ql byte 64h + u % 64 and its high 2 bits pair (u / 32) of qh byte 32h + u % 32 (u = v % 128).
+void rebuild_q6_k(const uint8_t* b, float* w) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int v = 0; v < 256; v += 32) {
+    const int h = v / 128, u = v % 128;
+    const uint8_t* lo = b + 64 * h + u % 64;
+    const uint8_t* hi = b + 128 + 32 * h;
+    const int lo_shift = 4 * (u / 64), hi_shift = 2 * (u / 32);
+    for (int i = 0; i < 32; ++i) {
+      const int q = (((lo[i] >> lo_shift) & 15) | (((hi[i] >> hi_shift) & 3) << 4)) - 32;
+      w[v + i] = (d * static_cast<float>(scales[(v + i) / 16])) * static_cast<float>(q);
+    }
   }
 }
 
@@ -92,6 +131,11 @@ inline void rebuild_avx2(const uint8_t* b, int64_t kind, __m256 w[4]) {
 // Weight row n rebuilt into `w` (K floats): read from memory and rebuilt once, whatever M is.
 void rebuild_row(const uint8_t* wn, int64_t K, int64_t kind, float* w) {
   const int64_t bytes = block_bytes(kind);
+  if (kind >= kQ4_K) {  // plain loops over 32 values, which the compiler vectorizes
+    for (int64_t blk = 0; blk < K / 256; ++blk)
+      (kind == kQ4_K ? rebuild_q4_k : rebuild_q6_k)(wn + blk * bytes, w + blk * 256);
+    return;
+  }
   for (int64_t blk = 0; blk < K / kBlock; ++blk) {
 #ifdef DUET_GGUF_AVX2
     __m256 wv[4];
@@ -143,12 +187,13 @@ void dot_columns(const float* x, int64_t M, int64_t K, const float* w, const flo
 }
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, const at::Tensor& bias, at::Tensor& out) {
-  TORCH_CHECK(kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0, "gguf_linear: unknown block kind ", kind);
+  TORCH_CHECK(kind >= kQ4_0 && kind <= kQ6_K, "gguf_linear: unknown block kind ", kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gguf_linear: x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % kBlock == 0, "gguf_linear: K must be a multiple of 32");
+  TORCH_CHECK(K % block_weights(kind) == 0, "gguf_linear: K must be a multiple of the block's weights");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.size(1) == K / kBlock * block_bytes(kind), "gguf_linear: w must be [N, K / 32 * block bytes] uint8");
+                  w.size(1) == K / block_weights(kind) * block_bytes(kind),
+              "gguf_linear: w must be [N, K / block weights * block bytes] uint8");
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == at::kFloat && bias.is_contiguous()),
               "gguf_linear: bias must be empty or [N] float32");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,

@@ -190,7 +190,7 @@ def step_bytes(model: DecoderModel, batch: int, context: int) -> int:
     """Bytes a decode step must read at least: every weight matrix once, and every sequence's K/V."""
     linears = [model.lm_head, *(lin for layer in model.layers
                                 for lin in (layer["qkv"], layer["o"], layer["mlp"].gate_up, layer["mlp"].down))]
-    weights = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
+    weights = sum(lin.weight_bytes for lin in linears)
     return weights + int(kv_gib(model, batch, context) * 2**30)
 
 

@@ -258,11 +258,14 @@ class _Weights:
             return self.linear(GgufWeight.cat(weights), bias)
         return self.linear(torch.cat([w.dequantized() if isinstance(w, GgufWeight) else w for w in weights]), bias)
 
-    def linear(self, weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None = None) -> Linear:
+    def linear(self, weight: torch.Tensor | GgufWeight | list[GgufWeight], bias: torch.Tensor | None = None) -> Linear:
         """A product of `weight`: kept in its GGUF blocks on a CPU, else in the model's dtype."""
-        if isinstance(weight, GgufWeight) and torch.device(self.device).type == "cpu":
-            return Linear(weight, bias)
-        return Linear(self.put(weight.dequantized() if isinstance(weight, GgufWeight) else weight), bias)
+        parts = [weight] if isinstance(weight, GgufWeight) else weight
+        if isinstance(parts, list) and torch.device(self.device).type == "cpu":
+            return Linear(parts, bias)
+        if isinstance(parts, list):
+            weight = torch.cat([part.dequantized() for part in parts])
+        return Linear(self.put(weight), bias)
 
     def gated(self, p: str) -> GatedMlp:
         return GatedMlp(self.fused([f"{p}gate_proj", f"{p}up_proj"]), self.fused([f"{p}down_proj"]),

@@ -1,10 +1,11 @@
 """A linear layer's weight kept in GGUF blocks (`--quantization gguf|int8|int4`).
 
 Decode reads every weight once per step, so its speed is the bytes it reads: the embedded model's
-Q4_1 blocks are 5 bits a weight where float32 is 32. The attention and MLP projections of a
-GGUF whose blocks are Q4_0, Q4_1 or Q8_0 stay in those blocks, and cpu/gguf_linear.cpp computes
-with them, each weight rebuilt to the very value `gguf_dequant` gives it; every other tensor
-(embeddings, norms, other block types) is dequantized at load as without the flag.
+Q4_1 blocks are 5 bits a weight where float32 is 32. The attention and MLP projections (and the
+lm_head) of a GGUF whose blocks are Q4_0, Q4_1, Q8_0, Q4_K or Q6_K stay in those blocks, and
+cpu/gguf_linear.cpp computes with them, each weight rebuilt to the very value `gguf_dequant`
+gives it; every other tensor (embeddings, norms, other block types) is dequantized at load as
+without the flag.
 
 `int8` and `int4` quantize the projections of any checkpoint (a Hugging Face directory, or a
 GGUF's dequantized values) at load into the same blocks: Q8_0 (a float16 scale per 32 weights,
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
     from common.model.checkpoint import Checkpoint
 
 # Block types computed natively -> the kernel's `kind` (cpu/gguf_linear.cpp).
-KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
-BLOCK = 32  # weights per block, every kind
+KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4}
+BLOCK = 32  # weights per block of Q4_0, Q4_1, Q8_0; the K types hold 256
 AT_LOAD = {"int8": Q.Q8_0, "int4": Q.Q4_1}  # --quantization that quantizes at load -> its blocks
 # The products kept in blocks: the projections, and the embedding for the lm_head tied to it (its
 # lookups read it dequantized), or the lm_head itself.
@@ -44,23 +45,28 @@ class GgufWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.blocks.shape[0], self.blocks.shape[1] // _block_bytes(self.tensor_type) * BLOCK
+        weights, size = gguf.GGML_QUANT_SIZES[self.tensor_type]
+        return self.blocks.shape[0], self.blocks.shape[1] // size * weights
 
     @classmethod
     def of(cls, data: np.ndarray, tensor_type: Q, shape: tuple[int, ...]) -> GgufWeight | None:
         """A GGUF tensor's bytes as a GgufWeight; None when it is not a 2-D weight of a kind the
         kernel computes."""
-        if tensor_type not in KINDS or len(shape) != 2 or shape[1] % BLOCK:
+        if tensor_type not in KINDS or len(shape) != 2 or shape[1] % gguf.GGML_QUANT_SIZES[tensor_type][0]:
             return None
         return cls(tensor_type, torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1).copy()))
 
     @staticmethod
-    def cat(parts: list[GgufWeight]) -> GgufWeight:
-        """The weights' rows stacked (fused products), all of one block type."""
-        kinds = {p.tensor_type for p in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"fused products of different block types: {sorted(k.name for k in kinds)}")
-        return GgufWeight(parts[0].tensor_type, torch.cat([p.blocks for p in parts]))
+    def cat(parts: list[GgufWeight]) -> list[GgufWeight]:
+        """The weights' rows stacked (fused products), one weight per run of parts of one block
+        type (a Q4_K_M file stores Q and K in Q4_K, V in Q6_K)."""
+        runs = [[parts[0]]]
+        for part in parts[1:]:
+            if part.tensor_type is runs[-1][0].tensor_type:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return [GgufWeight(run[0].tensor_type, torch.cat([p.blocks for p in run])) for run in runs]
 
     @classmethod
     def quantized(cls, weight: torch.Tensor, tensor_type: Q) -> GgufWeight:
@@ -81,7 +87,3 @@ def quantized_at_load(ckpt: Checkpoint, quantization: str) -> Checkpoint:
                if name.endswith(NATIVE) and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] % BLOCK == 0
                else w for name, w in ckpt.tensors.items()}
     return replace(ckpt, tensors=tensors, model_hash=f"{ckpt.model_hash};quantization={quantization}")
-
-
-def _block_bytes(tensor_type: Q) -> int:
-    return {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[tensor_type]

@@ -59,17 +59,19 @@ def _gguf_kernel():
 class Linear:
     """`y = x @ weight.T + bias` for 2-D `x`, with the weight packed when that is faster."""
 
-    def __init__(self, weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | list[GgufWeight], bias: torch.Tensor | None = None) -> None:
+        """`weight`: a tensor, or GGUF blocks (stacked parts, each of one block type)."""
         self.bias = bias
-        self.out_features = weight.shape[0]
-        self.gguf = _gguf_kernel() if isinstance(weight, GgufWeight) else None
+        self.gguf = _gguf_kernel() if isinstance(weight, list) else None
         if self.gguf is not None:
-            self.weight, self.kind = weight.blocks, KINDS[weight.tensor_type]
+            self.parts = [(part.blocks, KINDS[part.tensor_type]) for part in weight]
+            self.out_features = sum(blocks.shape[0] for blocks, _ in self.parts)
             self.bias = torch.empty(0) if bias is None else bias.float().contiguous()
             self.kernel, self.amx, self.packed = None, False, False
             return
-        if isinstance(weight, GgufWeight):
-            weight = weight.dequantized()
+        if isinstance(weight, list):
+            weight = torch.cat([part.dequantized() for part in weight])
+        self.out_features = weight.shape[0]
         self.kernel = _bf16_kernel(weight)
         self.amx = self.kernel is not None and cpu_extension.bf16_linear_uses_amx(self.kernel, weight.shape[1])
         self.packed = self.kernel is None and _can_pack(weight)
@@ -80,6 +82,12 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
         else:
             self.weight = weight
+
+    @property
+    def weight_bytes(self) -> int:
+        """What one product reads of its weight."""
+        tensors = [blocks for blocks, _ in self.parts] if self.gguf is not None else [self.weight]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def instructions(self) -> str:
@@ -93,9 +101,14 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gguf is not None:  # float32 in and out; the engine's dtype around it
-            out = torch.empty(x.shape[0], self.out_features)
-            self.gguf.gguf_linear(x.float().contiguous(), self.weight, self.kind, self.bias, out)
-            return out.to(x.dtype)
+            x32, outs, at = x.float().contiguous(), [], 0
+            for blocks, kind in self.parts:
+                out = torch.empty(x.shape[0], blocks.shape[0])
+                bias = self.bias[at : at + blocks.shape[0]] if self.bias.numel() else self.bias
+                self.gguf.gguf_linear(x32, blocks, kind, bias, out)
+                outs.append(out)
+                at += blocks.shape[0]
+            return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
         if self.kernel is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
             self.kernel.bf16_linear(x.contiguous(), self.weight, self.bias, out, self.amx)

@@ -182,8 +182,8 @@ def daemon_parser(prog: str, description: str, defaults: DaemonConfig) -> argpar
                    "decode nodes must agree (default %(default)s)")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="compute the projections and the lm_head from 4- or 8-bit blocks (CPU), reading a quarter "
-                   "to an eighth of the bytes a decode step reads in float32: gguf = a GGUF's own Q4_0, Q4_1 and "
-                   "Q8_0 blocks, each weight the value a dequantized load gives it; int8 / int4 = any model's "
+                   "to an eighth of the bytes a decode step reads in float32: gguf = a GGUF's own Q4_0, Q4_1, Q8_0, "
+                   "Q4_K and Q6_K blocks, each weight the value a dequantized load gives it; int8 / int4 = any model's "
                    "weights quantized at load (32 weights a scale; int4 with a minimum); none = dequantize every "
                    "weight (docs/models.md \"Quantized weights\"); prefill and decode nodes must agree "
                    "(default %(default)s)")

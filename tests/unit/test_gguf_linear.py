@@ -24,36 +24,55 @@ from harness.reference import REFERENCE_PROMPTS, engine_greedy_many, greedy_gaps
 KERNEL = "gguf" if cpu_extension.kernels() is not None else "onednn"  # without the kernels: dequantized
 
 
-def _weight(kind: Q, out_features: int = 96, in_features: int = 160, seed: int = 0) -> GgufWeight:
-    values = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
-    return GgufWeight.of(gguf.quants.quantize(values, kind), kind, (out_features, in_features))
+def _weight(kind: Q, out_features: int = 96, in_features: int = 512, seed: int = 0) -> GgufWeight:
+    """Random weights in `kind` blocks: quantized where gguf quantizes the type, else random
+    block bytes with sane float16 scales (every byte pattern of the rest is a valid block)."""
+    rng = np.random.default_rng(seed)
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        values = rng.standard_normal((out_features, in_features)).astype(np.float32)
+        return GgufWeight.of(gguf.quants.quantize(values, kind), kind, (out_features, in_features))
+    per_block, size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (out_features, in_features // per_block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (out_features, in_features // per_block, 2)).astype(np.float16).view(np.uint8)
+    if kind is Q.Q4_K:
+        blocks[..., 0:4] = scales  # d, dmin
+    else:
+        blocks[..., 208:210] = scales[..., :2]  # d
+    return GgufWeight.of(blocks.reshape(out_features, -1), kind, (out_features, in_features))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_weight_is_the_dequantized_value_and_the_product_its_own(kind):
     w = _weight(kind)
-    assert w.shape == (96, 160)
+    assert w.shape == (96, 512)
     assert torch.equal(w.dequantized(), torch.from_numpy(gguf.quants.dequantize(w.blocks.numpy(), kind)))
-    x, bias = torch.randn(7, 160), torch.randn(96)
-    layer = Linear(w, bias)
+    layer = Linear([w])
     assert layer.instructions == KERNEL
-    got, want = layer(x), F.linear(x, w.dequantized(), bias)
+    assert torch.equal(layer(torch.eye(512)), w.dequantized().T)  # one weight a row: the kernel's own weights
+    x, bias = torch.randn(7, 512), torch.randn(96)
+    got, want = Linear([w], bias)(x), F.linear(x, w.dequantized(), bias)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_row_is_the_same_bits_in_any_batch(kind):
-    layer = Linear(_weight(kind, seed=1))
-    x = torch.randn(9, 160)
+    layer = Linear([_weight(kind, seed=1)])
+    x = torch.randn(9, 512)
     whole = layer(x)
     for i in range(9):
         assert torch.equal(layer(x[i : i + 1])[0], whole[i])
     assert torch.equal(layer(x[2:7]), whole[2:7])
 
 
-def test_fused_products_need_one_block_type():
-    with pytest.raises(ValueError, match="different block types"):
-        GgufWeight.cat([_weight(Q.Q4_0), _weight(Q.Q8_0)])
+def test_fused_products_of_several_block_types_run_part_by_part():
+    """A Q4_K_M file keeps Q and K in Q4_K and V in Q6_K: the fused QKV is one part per run."""
+    q, k, v = _weight(Q.Q4_K, 64, seed=2), _weight(Q.Q4_K, 32, seed=3), _weight(Q.Q6_K, 32, seed=4)
+    parts = GgufWeight.cat([q, k, v])
+    assert [(p.tensor_type, p.shape[0]) for p in parts] == [(Q.Q4_K, 96), (Q.Q6_K, 32)]
+    x, bias = torch.randn(5, 512), torch.randn(128)
+    want = F.linear(x, torch.cat([w.dequantized() for w in (q, k, v)]), bias)
+    got = Linear(parts, bias)(x)
+    assert got.shape == (5, 128) and (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.fixture(scope="module")
