@@ -183,7 +183,7 @@ def decode_theirs(hf: torch.nn.Module, batch: int, context: int) -> Timed:
 def kv_gib(model: DecoderModel, batch: int, context: int) -> float:
     """GiB of K/V that one side holds for `batch` sequences of `context` positions."""
     cfg = model.config
-    return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * model.embed.element_size() / 2**30
+    return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize / 2**30
 
 
 def step_bytes(model: DecoderModel, batch: int, context: int) -> int:

@@ -63,7 +63,9 @@ class DecoderModel:
         self.dtype, self.device = dtype, torch.device(device)
         weights = _Weights(ckpt, dtype, device)
         embed = weights.tensors["model.embed_tokens.weight"]
-        self.embed = weights.put(embed.dequantized() if isinstance(embed, GgufWeight) else embed)
+        # In GGUF blocks (--quantization), the rows a step looks up are dequantized as it needs them.
+        self.embed = embed if isinstance(embed, GgufWeight) and self.device.type == "cpu" else \
+            weights.put(embed.dequantized() if isinstance(embed, GgufWeight) else embed)
         # Gemma's factor is rounded to the model dtype first, as transformers does.
         self.embedding_multiplier = (torch.tensor(cfg.embedding_multiplier, dtype=dtype).item()
                                      if family.embedding_scale else cfg.embedding_multiplier)
@@ -193,7 +195,8 @@ class DecoderModel:
         if not self.pointwise_rope:
             angles = {kind: (cos[positions][:, None, :], sin[positions][:, None, :])
                       for kind, (cos, sin) in self.rope_tables.items()}
-        x = self.embed[batch.token_ids.to(self.device)]
+        ids = batch.token_ids.to(self.device)
+        x = self.embed.rows(ids).to(self.dtype) if isinstance(self.embed, GgufWeight) else self.embed[ids]
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         T = x.shape[0]

@@ -74,6 +74,10 @@ class GgufWeight:
         values = weight.float().numpy()
         return cls(tensor_type, torch.from_numpy(gguf.quants.quantize(values, tensor_type).reshape(weight.shape[0], -1)))
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows `ids` of the weight (an embedding's lookups), as `dequantized` has them."""
+        return torch.from_numpy(dequantize(self.blocks[ids].numpy(), self.tensor_type, (len(ids), self.shape[1])))
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight, as a load without `--quantization gguf` makes it."""
         return torch.from_numpy(dequantize(self.blocks.numpy(), self.tensor_type, self.shape))
