@@ -27,6 +27,7 @@ load stops (harness/helpers.py `wait_clean`), no wrong token and no request fail
 its kind expects. Writes the samples and the verdict as JSON and a plot (one panel per series).
 
 Usage: python -m scripts.soak [--minutes 120] [--json docs/bench/soak.json] [--plot docs/bench/soak.png]
+       python -m scripts.soak --report docs/bench/soak.json > docs/bench/soak.md
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ GROWTH_LIMIT = 0.05
 LONG_PROMPTS = [random_ids(1200, seed) for seed in range(24)]  # 24 x 75 pages: more than both pools
 CHAT_TOPICS = ["tea", "rivers", "prime numbers", "the moon", "bicycles", "owls", "rain", "bread"]
 COUNTED = ("rss_mib", "fds", "threads")  # the series the verdict holds to GROWTH_LIMIT
+LABELS = {"rss_mib": "resident memory (MiB)", "fds": "open descriptors", "threads": "threads"}
 
 
 class ShortAnswer(Exception):
@@ -298,6 +300,35 @@ def verdict(samples: list[dict], tally: Tally, leaked: str | None) -> list[str]:
     return misses
 
 
+def report(record: dict) -> str:
+    """A record (the --json file) as the markdown of docs/bench/soak.md."""
+    samples, m = record["samples"], record["machine"]
+    daemons = [name for name in samples[0] if name != "t"]
+    lines = [f"# Soak: {record['minutes']:g} minutes of mixed load", "",
+             f"`{record['command']}` (`make soak`), {m['cpu']} ({', '.join(m['flags']) or 'no AVX2'}), "
+             f"{m['cpus']} CPUs, commit {record['commit']}. Topology, load and verdict: scripts/soak.py.", "",
+             "**Verdict: " + ("pass**" if not record["misses"] else "miss**: " + "; ".join(record["misses"])), "",
+             "Each series first / last sample, and its growth over the second half:", "",
+             "| daemon | " + " | ".join(LABELS[s] for s in COUNTED) + " |",
+             "| --- |" + " --- |" * len(COUNTED)]
+    for name in daemons:
+        cells = [f"{samples[0][name][s]:g} / {samples[-1][name][s]:g} ({record['growth_second_half'][name][s]:+.1%})"
+                 for s in COUNTED]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ok = ", ".join(f"{kind.removesuffix(':ok')} {n}" for kind, n in sorted(record["ok"].items()))
+    failed = ", ".join(f"{kind} {n}" for kind, n in sorted(record["failed"].items())) or "none"
+    lines += ["", f"Requests that ended well, by kind: {ok}; failed: {failed}. Tokens checked against "
+              f"the in-process engine: {record['checked']} answers ({record['unchecked']} more the checker had no "
+              f"time for), {len(record['wrong'])} wrong.", "",
+              "Prompt tokens by where their KV came from, and migrations: " + "; ".join(
+                  f"{name} " + ", ".join(f"{k} {v:g}" for k, v in sorted(sources.items()))
+                  for name, sources in record["prompt_tokens"].items()) + ".", "",
+              "Every page back once the load stopped: "
+              + ("no" if any(m.startswith("pages not returned") for m in record["misses"]) else "yes") + ".", "",
+              "![memory, descriptors, threads, sockets, pages and tier files of each daemon](soak.png)", ""]
+    return "\n".join(lines)
+
+
 def plot(samples: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -325,7 +356,11 @@ def main() -> None:
     parser.add_argument("--sample-seconds", type=float, default=10.0, help="time between samples (default %(default)s)")
     parser.add_argument("--json", type=Path, default=Path("docs/bench/soak.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/bench/soak.png"))
+    parser.add_argument("--report", type=Path, metavar="JSON", help="print a record as markdown, and run nothing")
     args = parser.parse_args()
+    if args.report:
+        print(report(json.loads(args.report.read_text())))
+        return
     made_by = {"machine": run_record.machine(), "commit": run_record.git_commit()}  # before: HEAD may move
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         soak = Soak(Path(tmp), stack)
