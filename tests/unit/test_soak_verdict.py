@@ -2,7 +2,7 @@
 pages, judged from samples."""
 from __future__ import annotations
 
-from scripts.soak import GROWTH_LIMIT, Tally, growth, labelled, verdict
+from scripts.soak import GROWTH_LIMIT, Tally, growth, labelled, report, verdict
 
 
 def _samples(rss: list[float]) -> list[dict]:
@@ -40,3 +40,16 @@ def test_labelled_sums_by_label():
             'duet_migrations_total{reason="drain",outcome="migrated"} 1.0\n')
     assert labelled(page, "duet_prompt_tokens_total", "source") == {"disk": 32.0, "peer": 16.0}
     assert labelled(page, "duet_migrations_total", "outcome") == {"migrated": 3.0}
+
+
+def test_the_report_names_the_run_the_verdict_and_each_daemon():
+    samples = _samples([1000.0] * 20)
+    record = {"command": "python -m scripts.soak --minutes 1", "machine": {"cpu": "Test CPU", "flags": ["avx2"], "cpus": 2},
+              "commit": "abc1234", "minutes": 1.0, "ok": {"chat:ok": 3}, "failed": {"long:UNAVAILABLE": 1},
+              "checked": 2, "unchecked": 0, "wrong": [], "prompt_tokens": {"decode-a": {"pool": 16.0}},
+              "growth_second_half": {"decode-a": {"rss_mib": 0.0, "fds": 0.0, "threads": 0.0}},
+              "misses": ["long:UNAVAILABLE failed 1x"], "samples": samples}
+    text = report(record)
+    assert "Test CPU (avx2), 2 CPUs, commit abc1234" in text and "**Verdict: miss**: long:UNAVAILABLE" in text
+    assert "| decode-a | 1000 / 1000 (+0.0%) | 30 / 30 (+0.0%) | 20 / 20 (+0.0%) |" in text
+    assert "chat 3; failed: long:UNAVAILABLE 1" in text and "Every page back once the load stopped: yes." in text
