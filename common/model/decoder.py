@@ -263,11 +263,12 @@ class _Weights:
 
     def linear(self, weight: torch.Tensor | GgufWeight | list[GgufWeight], bias: torch.Tensor | None = None) -> Linear:
         """A product of `weight`: kept in its GGUF blocks on a CPU, else in the model's dtype."""
-        parts = [weight] if isinstance(weight, GgufWeight) else weight
-        if isinstance(parts, list) and torch.device(self.device).type == "cpu":
-            return Linear(parts, bias)
-        if isinstance(parts, list):
-            weight = torch.cat([part.dequantized() for part in parts])
+        if isinstance(weight, GgufWeight):
+            weight = [weight]
+        if isinstance(weight, list):
+            if torch.device(self.device).type == "cpu":
+                return Linear(weight, bias)
+            weight = torch.cat([part.dequantized() for part in weight])
         return Linear(self.put(weight), bias)
 
     def gated(self, p: str) -> GatedMlp:
