@@ -96,9 +96,12 @@ void rebuild_q6_k(const uint8_t* b, float* w) {
     const uint8_t* lo = b + 64 * h + u % 64;
     const uint8_t* hi = b + 128 + 32 * h;
     const int lo_shift = 4 * (u / 64), hi_shift = 2 * (u / 32);
-    for (int i = 0; i < 32; ++i) {
-      const int q = (((lo[i] >> lo_shift) & 15) | (((hi[i] >> hi_shift) & 3) << 4)) - 32;
-      w[v + i] = (d * static_cast<float>(scales[(v + i) / 16])) * static_cast<float>(q);
+    for (int g = 0; g < 32; g += 16) {  // a scale per 16 weights
+      const float dsc = d * static_cast<float>(scales[(v + g) / 16]);
+      for (int i = g; i < g + 16; ++i) {
+        const int q = (((lo[i] >> lo_shift) & 15) | (((hi[i] >> hi_shift) & 3) << 4)) - 32;
+        w[v + i] = dsc * static_cast<float>(q);
+      }
     }
   }
 }
