@@ -131,12 +131,60 @@ inline void rebuild_avx2(const uint8_t* b, int64_t kind, __m256 w[4]) {
 }
 #endif
 
+#ifdef DUET_GGUF_AVX2
+// 16 bytes as 16 float32 values, stored at w (signed: int8; else uint8).
+template <bool Signed>
+inline void store_bytes(__m128i bytes, __m256 scale, __m256 minus, float* w) {
+  for (int half = 0; half < 2; ++half) {
+    const __m128i b = half ? _mm_srli_si128(bytes, 8) : bytes;
+    const __m256 q = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+    _mm256_storeu_ps(w + 8 * half, _mm256_fmsub_ps(scale, q, minus));  // scale * q exact: one rounding
+  }
+}
+
+void rebuild_q4_k_avx2(const uint8_t* b, float* w) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* s = b + 4;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    const __m256 dsc = _mm256_set1_ps(d * static_cast<float>(sc)), dm = _mm256_set1_ps(dmin * static_cast<float>(mn));
+    for (int h = 0; h < 2; ++h) {
+      __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 32 * (j / 2) + 16 * h));
+      if (j % 2) q = _mm_srli_epi16(q, 4);
+      store_bytes<false>(_mm_and_si128(q, mask), dsc, dm, w + 32 * j + 16 * h);
+    }
+  }
+}
+
+void rebuild_q6_k_avx2(const uint8_t* b, float* w) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  const __m128i low4 = _mm_set1_epi8(0x0F), low2 = _mm_set1_epi8(0x03), bias = _mm_set1_epi8(32);
+  const __m256 zero = _mm256_setzero_ps();
+  for (int v = 0; v < 256; v += 16) {
+    const int h = v / 128, u = v % 128;
+    __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + u % 64));
+    __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + u % 32));
+    if (u >= 64) lo = _mm_srli_epi16(lo, 4);
+    hi = _mm_srl_epi16(hi, _mm_cvtsi32_si128(2 * (u / 32)));
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lo, low4), _mm_slli_epi16(_mm_and_si128(hi, low2), 4)), bias);
+    store_bytes<true>(q, _mm256_set1_ps(d * static_cast<float>(scales[v / 16])), zero, w + v);
+  }
+}
+#endif
+
 // Weight row n rebuilt into `w` (K floats): read from memory and rebuilt once, whatever M is.
 void rebuild_row(const uint8_t* wn, int64_t K, int64_t kind, float* w) {
   const int64_t bytes = block_bytes(kind);
-  if (kind >= kQ4_K) {  // plain loops over 32 values, which the compiler vectorizes
-    for (int64_t blk = 0; blk < K / 256; ++blk)
-      (kind == kQ4_K ? rebuild_q4_k : rebuild_q6_k)(wn + blk * bytes, w + blk * 256);
+  if (kind >= kQ4_K) {
+#ifdef DUET_GGUF_AVX2
+    const auto rebuild_k = kind == kQ4_K ? rebuild_q4_k_avx2 : rebuild_q6_k_avx2;
+#else
+    const auto rebuild_k = kind == kQ4_K ? rebuild_q4_k : rebuild_q6_k;
+#endif
+    for (int64_t blk = 0; blk < K / 256; ++blk) rebuild_k(wn + blk * bytes, w + blk * 256);
     return;
   }
   for (int64_t blk = 0; blk < K / kBlock; ++blk) {
