@@ -1,11 +1,11 @@
 """A linear layer's weight kept in GGUF blocks (`--quantization gguf|int8|int4`).
 
 Decode reads every weight once per step, so its speed is the bytes it reads: the embedded model's
-Q4_1 blocks are 5 bits a weight where float32 is 32. The attention and MLP projections (and the
-lm_head) of a GGUF whose blocks are Q4_0, Q4_1, Q8_0, Q4_K or Q6_K stay in those blocks, and
-cpu/gguf_linear.cpp computes with them, each weight rebuilt to the very value `gguf_dequant`
-gives it; every other tensor (embeddings, norms, other block types) is dequantized at load as
-without the flag.
+Q4_1 blocks are 5 bits a weight where float32 is 32. The attention and MLP projections, the
+lm_head and the embedding of a GGUF whose blocks are Q4_0, Q4_1, Q8_0, Q4_K or Q6_K stay in those
+blocks: cpu/gguf_linear.cpp computes the products with them, each weight rebuilt to the very
+value `gguf_dequant` gives it, and the embedding's rows are dequantized as a step looks them up;
+every other tensor (norms, other block types) is dequantized at load as without the flag.
 
 `int8` and `int4` quantize the projections of any checkpoint (a Hugging Face directory, or a
 GGUF's dequantized values) at load into the same blocks: Q8_0 (a float16 scale per 32 weights,
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4}
 BLOCK = 32  # weights per block of Q4_0, Q4_1, Q8_0; the K types hold 256
 AT_LOAD = {"int8": Q.Q8_0, "int4": Q.Q4_1}  # --quantization that quantizes at load -> its blocks
-# The products kept in blocks: the projections, and the embedding for the lm_head tied to it (its
-# lookups read it dequantized), or the lm_head itself.
+# The weights kept in blocks: the projections, the lm_head, and the embedding (its lookups
+# dequantize the rows they read; a tied lm_head computes with its blocks).
 NATIVE = ("_proj.weight", "model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -41,7 +41,7 @@ class GgufWeight:
     """An `[out_features, in_features]` weight as the file's blocks, one row of blocks per output."""
 
     tensor_type: Q
-    blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8
+    blocks: torch.Tensor  # [out_features, in_features / block weights * block bytes] uint8
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,7 +79,7 @@ class GgufWeight:
         return torch.from_numpy(dequantize(self.blocks[ids].numpy(), self.tensor_type, (len(ids), self.shape[1])))
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight, as a load without `--quantization gguf` makes it."""
+        """The float32 weight, as a load without `--quantization` makes it."""
         return torch.from_numpy(dequantize(self.blocks.numpy(), self.tensor_type, self.shape))
 
 
